@@ -1,0 +1,73 @@
+"""Sessions that mirror the GitHub workflow jobs one to one (.github/workflows/ci.yml, cuda.yml).
+
+    nox -s export-artifact   build a bundle (tiny preset on the best local device by default) into artifacts/
+    nox -s e2e               run the runner on the fixture audio and check it against golden tokens + eager
+    nox -s benchmark         time the bundle against the eager model
+    nox -s tests             the test suite
+    nox -s lint              ruff + workflow linters
+
+Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`).
+TORCH_SPEC picks the torch to install (default torch==2.13.0: on these machines a CPU wheel on disk; a bare
+`torch` requirement could pull a multi-GB CUDA build).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.download_python = "never"
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "tests"]
+
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+DEFAULT_BUNDLE = "artifacts/voxtral-tiny"
+
+
+def install(session: nox.Session, extras: str = "") -> None:
+    session.install(TORCH_SPEC)
+    session.install("-e", f".[{extras}]" if extras else ".")
+
+
+@nox.session(name="export-artifact")
+def export_artifact(session: nox.Session) -> None:
+    """Build a bundle and run the required-file + digest check on it."""
+    install(session)
+    args = session.posargs or ["--preset", "tiny", "--out", DEFAULT_BUNDLE]
+    session.run("python", "-m", "runner", "export", *args)
+    out = args[args.index("--out") + 1] if "--out" in args else DEFAULT_BUNDLE
+    session.run("python", "ci_scripts/check_bundle.py", out)
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """Run the multimodal runner on the fixture audio; check golden tokens and the eager reference."""
+    install(session)
+    session.run("python", "-m", "runner", "e2e", *session.posargs)
+
+
+@nox.session
+def benchmark(session: nox.Session) -> None:
+    """Time load, each method and end-to-end generation, beside the eager model."""
+    install(session, "bench")
+    session.run("python", "-m", "runner", "bench", *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (long soak/fuzz tests are behind the `slow` marker)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff on the code; check-jsonschema and zizmor on the workflows."""
+    session.install("ruff", "check-jsonschema", "zizmor")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    workflows = sorted(str(p) for p in __import__("pathlib").Path(".github/workflows").glob("*.yml"))
+    if workflows:
+        session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
+        session.run("zizmor", "--offline", *workflows)

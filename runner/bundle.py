@@ -1,0 +1,189 @@
+"""The bundle: `model.pte` (a JSON program manifest), one AOTI `.so` per method, weight files, `tekken.json`.
+
+Everything here is plain data. `verify_bundle` checks every file's size and sha256 *before* any `.so` is
+dlopen'ed: a flipped byte in a library must be a clear error, never undefined behaviour at load time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from runner.errors import BundleError
+
+MANIFEST_NAME = "model.pte"
+FORMAT_NAME = "voxtral-aoti-bundle"
+FORMAT_VERSION = 1
+METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+
+# A dimension is either a fixed int or a dynamic range; `multiple` is for the waveform (whole 30 s chunks).
+Dim = int | dict[str, int]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix: "float32", "bfloat16", "int64"
+    shape: list[Dim]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorSpec":
+        return cls(name=d["name"], dtype=d["dtype"], shape=list(d["shape"]))
+
+    def describe(self) -> str:
+        dims = ", ".join(str(d) if isinstance(d, int) else f"{d['min']}..{d['max']}" for d in self.shape)
+        return f"{self.name}: {self.dtype}[{dims}]"
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A mutable buffer (the KV cache) the runtime allocates zeroed and binds into the container."""
+
+    shape: list[int]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    library: str  # the .so, relative to the bundle
+    weights: str | None  # safetensors file keyed by each constant's original FQN
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    state: dict[str, StateSpec] = field(default_factory=dict)  # by original FQN
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict[str, Any]) -> "MethodSpec":
+        return cls(
+            name=name,
+            library=d["library"],
+            weights=d.get("weights"),
+            inputs=[TensorSpec.from_dict(x) for x in d["inputs"]],
+            outputs=[TensorSpec.from_dict(x) for x in d["outputs"]],
+            state={k: StateSpec(shape=list(v["shape"]), dtype=v["dtype"]) for k, v in d.get("state", {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    torch_version: str
+    device: str  # "cpu" or "cuda"
+    gpu_arch: str | None  # e.g. "sm_90"; None on CPU bundles
+    dtype: str  # model dtype: "float32" or "bfloat16"
+    model: dict[str, Any]  # config, special token ids, max_seq_len, max_audio_chunks, source
+    methods: dict[str, MethodSpec]
+    files: dict[str, FileEntry]
+    created_by: str = "runner"
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d = {"format": FORMAT_NAME, **d}
+        return json.dumps(d, indent=2, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = MANIFEST_NAME) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BundleError(f"{source}: not a JSON manifest ({e})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise BundleError(f"{source}: not a {FORMAT_NAME} manifest")
+        version = d.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise BundleError(
+                f"{source}: format version {version!r} is newer than this runner reads ({FORMAT_VERSION}); "
+                "upgrade the runner"
+            )
+        try:
+            return cls(
+                format_version=version,
+                torch_version=d["torch_version"],
+                device=d["device"],
+                gpu_arch=d.get("gpu_arch"),
+                dtype=d["dtype"],
+                model=d["model"],
+                methods={k: MethodSpec.from_dict(k, v) for k, v in d["methods"].items()},
+                files={k: FileEntry(**v) for k, v in d["files"].items()},
+                created_by=d.get("created_by", "runner"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise BundleError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def safe_member(bundle_dir: Path, rel: str) -> Path:
+    """Resolve a manifest path inside the bundle; refuse absolute paths, `..` and symlinks."""
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
+        raise BundleError(f"manifest names a path outside the bundle: {rel!r}")
+    full = bundle_dir / p
+    if full.is_symlink():
+        raise BundleError(f"{full}: links are not allowed in a bundle")
+    return full
+
+
+def file_entries(bundle_dir: Path, names: list[str]) -> dict[str, FileEntry]:
+    return {n: FileEntry(sha256=sha256_file(bundle_dir / n), size=(bundle_dir / n).stat().st_size) for n in names}
+
+
+def write_manifest(bundle_dir: Path, manifest: Manifest) -> Path:
+    path = Path(bundle_dir) / MANIFEST_NAME
+    path.write_text(manifest.to_json())
+    return path
+
+
+def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / MANIFEST_NAME
+    if not bundle_dir.is_dir():
+        raise BundleError(f"{bundle_dir}: no such bundle directory")
+    if not path.is_file():
+        raise BundleError(f"{path}: missing (is {bundle_dir} a bundle?)")
+    return Manifest.from_json(path.read_text(errors="replace"), source=str(path))
+
+
+def verify_bundle(bundle_dir: str | os.PathLike, *, check_digests: bool = True) -> Manifest:
+    """Read the manifest and check that every file it names is present, unlinked, of the right size and
+    digest, and that every method's library and weights are among those files. Raises BundleError."""
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    for method in manifest.methods.values():
+        for rel in filter(None, (method.library, method.weights)):
+            if rel not in manifest.files:
+                raise BundleError(f"{bundle_dir / MANIFEST_NAME}: method {method.name} uses {rel}, not listed in files")
+    missing = [m for m in METHOD_NAMES if m not in manifest.methods]
+    if missing:
+        raise BundleError(f"{bundle_dir / MANIFEST_NAME}: methods missing: {', '.join(missing)}")
+    for rel, entry in manifest.files.items():
+        path = safe_member(bundle_dir, rel)
+        if not path.is_file():
+            raise BundleError(f"{path}: missing from the bundle")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise BundleError(f"{path}: size {size} does not match the manifest ({entry.size})")
+        if check_digests and sha256_file(path) != entry.sha256:
+            raise BundleError(f"{path}: sha256 does not match the manifest (corrupt or modified file)")
+    return manifest
+
+
+def bundle_digest(manifest_path: Path) -> str:
+    """The bundle's identity: the manifest's sha256 (it pins every other file's sha256)."""
+    return sha256_file(manifest_path)

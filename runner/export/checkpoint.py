@@ -1,0 +1,155 @@
+"""Where the weights come from: an HF checkpoint directory, a preset with random init, or a bundle.
+
+A checkpoint directory is what `VoxtralForConditionalGeneration.save_pretrained(DIR)` writes (config.json and
+`model.safetensors` or sharded `model-0000x-of-0000y.safetensors` + index) plus `tekken.json`. Only safetensors
+is read: no pickle, ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from runner.bundle import sha256_file
+from runner.errors import ExportError
+from runner.export.config import VoxtralConfig, preset
+from runner.export.model import Voxtral
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+TINY_CHECKPOINT = FIXTURES / "voxtral-tiny"  # config.json (tokenizer: fixtures/tekken.json); weights are seeded
+TINY_SEED = 0
+
+# transformers 5 may name keys as the in-memory model does; save_pretrained writes the 4.x layout we use.
+_KEY_PREFIXES = (
+    ("model.audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What the bundle's weights are, recorded in the manifest and hashed into the compile cache key."""
+
+    kind: str  # "checkpoint" | "random-init"
+    name: str  # checkpoint dir name or preset name
+    weights_digest: str
+    seed: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "weights_digest": self.weights_digest, "seed": self.seed}
+
+
+def _normalise_key(k: str) -> str:
+    for old, new in _KEY_PREFIXES:
+        if k.startswith(old):
+            return new + k[len(old):]
+    return k
+
+
+def _weight_files(ckpt: Path) -> list[Path]:
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ExportError(f"{index}: malformed index ({e})") from None
+        return [ckpt / s for s in shards]
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in ckpt.glob("*.bin"))
+        hint = f" (found {', '.join(bins)}: pickle checkpoints are not read; re-save with safetensors)" if bins else ""
+        raise ExportError(f"{ckpt}: no .safetensors weights{hint}")
+    return files
+
+
+def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Voxtral, ModelSource, Path]:
+    """Returns the eager model with the checkpoint's weights, its source record, and its tekken.json."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise ExportError(f"{ckpt}: checkpoint directory not found")
+    for need in ("config.json", "tekken.json"):
+        if not (ckpt / need).is_file():
+            raise ExportError(f"{ckpt}: missing {need}")
+    config = VoxtralConfig.from_hf_file(ckpt / "config.json")
+    files = _weight_files(ckpt)
+    state: dict[str, torch.Tensor] = {}
+    digest = hashlib.sha256()
+    for f in files:
+        if not f.is_file():
+            raise ExportError(f"{f}: shard named in the index is missing")
+        digest.update(sha256_file(f).encode())
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    state[_normalise_key(k)] = sf.get_tensor(k)
+        except Exception as e:  # safetensors' own error types
+            raise ExportError(f"{f}: cannot read safetensors ({e})") from None
+    model = Voxtral(config)
+    load_state(model, state, source=str(ckpt))
+    source = ModelSource("checkpoint", ckpt.resolve().name, digest.hexdigest())
+    return model.to(dtype).eval(), source, ckpt / "tekken.json"
+
+
+def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load with one error listing every missing, unexpected and mis-shaped key."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(f"{k} {list(state[k].shape)} (want {list(expected[k].shape)})"
+                   for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    problems = [f"{label}: {', '.join(keys[:8])}{' …' if len(keys) > 8 else ''} ({len(keys)})"
+                for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+    if problems:
+        raise ExportError(f"{source}: checkpoint does not match the config — " + "; ".join(problems))
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+
+
+def random_model(preset_name: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[Voxtral, ModelSource]:
+    config = preset(preset_name)
+    digest = hashlib.sha256(json.dumps([config.to_dict(), seed], sort_keys=True).encode()).hexdigest()
+    model = Voxtral(config).init_weights(seed)
+    return model.to(dtype).eval(), ModelSource("random-init", preset_name, digest, seed)
+
+
+def write_tiny_checkpoint(dest: Path) -> Path:
+    """Materialise the embedded default: fixtures' config.json + tekken.json and seeded weights, in the
+    layout save_pretrained writes, so the tiny bundle goes through the real checkpoint loader."""
+    dest = Path(dest)
+    weights = dest / "model.safetensors"
+    if weights.is_file():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    config = VoxtralConfig.from_hf_file(TINY_CHECKPOINT / "config.json")
+    model = Voxtral(config).init_weights(TINY_SEED)
+    shutil.copyfile(TINY_CHECKPOINT / "config.json", dest / "config.json")
+    shutil.copyfile(FIXTURES / "tekken.json", dest / "tekken.json")
+    tmp = dest / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(weights)
+    return dest
+
+
+def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtral:
+    """The eager model with exactly the bundle's weights (for `--reference eager` and benchmarks): the weight
+    files are keyed by each exported method's FQNs; map them back onto the full model."""
+    config = VoxtralConfig.from_dict(manifest.model["config"])
+    dtype = getattr(torch, manifest.dtype)
+    prefix = {"audio_encoder": "", "token_embedding": "language_model.model.", "text_decoder": "language_model.model."}
+    state = {}
+    for method, pre in prefix.items():
+        for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
+            state["language_model.lm_head.weight" if k == "lm_head.weight" else pre + k] = v
+    model = Voxtral(config).to(device=device, dtype=dtype)
+    load_state(model, state, source=str(bundle_dir))
+    model.to(dtype).eval()
+    model.setup_caches(manifest.model["max_seq_len"])
+    return model

@@ -1,0 +1,248 @@
+"""Voxtral in plain PyTorch, written for torch.export.
+
+Parameter names follow what `VoxtralForConditionalGeneration.save_pretrained` writes (`audio_tower.*`,
+`multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`), so a checkpoint's state dict
+loads with `load_state_dict(strict=True)`. The decoder holds a static KV cache as buffers (gpt-fast style): the
+exported text_decoder mutates it in place at `cache_position`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.export.config import PROJECTOR_GROUP, AudioConfig, TextConfig, VoxtralConfig
+
+# ---------------------------------------------------------------- audio tower (Whisper encoder)
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim, bias=False)  # Whisper's key projection has no bias
+        self.v_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape  # x: [chunks, 1500, d]
+        q, k, v = (p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v)  # bidirectional: each 30 s chunk attends to itself
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, c: AudioConfig):
+        super().__init__()
+        self.self_attn = EncoderAttention(c.dim, c.n_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(c.dim)
+        self.fc1 = nn.Linear(c.dim, c.ffn_dim)
+        self.fc2 = nn.Linear(c.ffn_dim, c.dim)
+        self.final_layer_norm = nn.LayerNorm(c.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x))
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class AudioTower(nn.Module):
+    def __init__(self, c: AudioConfig):
+        super().__init__()
+        self.conv1 = nn.Conv1d(c.n_mels, c.dim, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(c.dim, c.dim, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(c.max_source_positions, c.dim)
+        self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.n_layers))
+        self.layer_norm = nn.LayerNorm(c.dim)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv1(mel))  # mel: [chunks, n_mels, 3000]
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [chunks, 1500, d]
+        x = x + self.embed_positions.weight.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class Projector(nn.Module):
+    def __init__(self, c: VoxtralConfig):
+        super().__init__()
+        self.linear_1 = nn.Linear(c.audio.ffn_dim, c.text.dim, bias=False)
+        self.linear_2 = nn.Linear(c.text.dim, c.text.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.gelu(self.linear_1(x)))
+
+
+# ---------------------------------------------------------------- text decoder (Llama)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq, head_dim] for the given positions, computed in float32 (as HF's Llama does)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_seq_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        shape = (1, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # input_pos: [S], k/v: [1, H_kv, S, D]; written in place so the exported program mutates our buffer
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        return self.k_cache, self.v_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        c, (b, s, _) = self.c, x.shape
+        q = self.q_proj(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
+        rep = c.n_heads // c.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+
+    def forward(self, x, cos, sin, input_pos, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, c: TextConfig):
+        super().__init__()
+        self.model = TextModel(c)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
+
+
+class TextDecoder(nn.Module):
+    """The decoder body without the embedding table: what the exported text_decoder method holds."""
+
+    def __init__(self, c: TextConfig, lm: LanguageModel):
+        super().__init__()
+        self.c = c
+        self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
+
+    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        # embeds: [1, S, dim], cache_position: [S] -> logits of the last position [1, vocab] float32
+        max_seq = self.layers[0].self_attn.kv_cache.k_cache.shape[2]
+        mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [S, max_seq]
+        cos, sin = rope(cache_position, self.c.head_dim, self.c.rope_theta, embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache_position, mask)
+        return self.lm_head(self.norm(x[:, -1, :])).float()
+
+
+# ---------------------------------------------------------------- the whole model
+
+
+class Voxtral(nn.Module):
+    def __init__(self, config: VoxtralConfig):
+        super().__init__()
+        self.config = config
+        self.audio_tower = AudioTower(config.audio)
+        self.multi_modal_projector = Projector(config)
+        self.language_model = LanguageModel(config.text)
+
+    def setup_caches(self, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        t = self.config.text
+        dtype = dtype or self.language_model.lm_head.weight.dtype
+        device = self.language_model.lm_head.weight.device
+        for layer in self.language_model.model.layers:
+            layer.self_attn.kv_cache = KVCache(max_seq_len, t.n_kv_heads, t.head_dim, dtype).to(device)
+
+    def reset_caches(self) -> None:
+        for layer in self.language_model.model.layers:
+            layer.self_attn.kv_cache.k_cache.zero_()
+            layer.self_attn.kv_cache.v_cache.zero_()
+
+    def encode_audio(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [chunks, n_mels, 3000] -> audio embeddings [1, chunks * 375, dim]."""
+        h = self.audio_tower(mel)  # [chunks, 1500, d]
+        h = h.reshape(1, -1, PROJECTOR_GROUP * self.config.audio.dim)  # group 4 consecutive frames
+        return self.multi_modal_projector(h)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_tokens(ids)
+
+    def decoder(self) -> TextDecoder:
+        return TextDecoder(self.config.text, self.language_model)
+
+    def init_weights(self, seed: int) -> Voxtral:
+        """Deterministic random init (normal(0, initializer_range), norms at one, biases zero)."""
+        g = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.dim() == 1:  # LayerNorm / RMSNorm scales
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self

@@ -23,6 +23,8 @@ nox.options.sessions = ["lint", "tests"]
 
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 DEFAULT_BUNDLE = "artifacts/voxtral-tiny"
+GOLDEN = "fixtures/golden/tiny.json"
+FIXTURE_AUDIO = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
 
 
 def install(session: nox.Session, extras: str = "") -> None:
@@ -42,9 +44,25 @@ def export_artifact(session: nox.Session) -> None:
 
 @nox.session
 def e2e(session: nox.Session) -> None:
-    """Run the multimodal runner on the fixture audio; check golden tokens and the eager reference."""
+    """Run the multimodal runner on the fixture audio; check golden tokens and the eager reference.
+
+    With no --bundle, builds (or reuses, from the compile cache) the tiny bundle first. Arguments go to
+    `python -m runner run`; defaults are added for what is not given."""
     install(session)
-    session.run("python", "-m", "runner", "e2e", *session.posargs)
+    args = list(session.posargs)
+    if "--bundle" not in args:
+        session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
+        args += ["--bundle", DEFAULT_BUNDLE]
+    if "--audio" not in args:
+        for name in FIXTURE_AUDIO:
+            args += ["--audio", f"fixtures/audio/{name}"]
+    if not {"--expect", "--expect-tokens"} & set(args):
+        args += ["--expect-tokens", GOLDEN]
+    if "--reference" not in args:
+        args += ["--reference", "eager"]
+    if "--max-new-tokens" not in args:
+        args += ["--max-new-tokens", "32"]
+    session.run("python", "-m", "runner", "run", *args)
 
 
 @nox.session

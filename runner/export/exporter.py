@@ -119,7 +119,8 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     mel = lambda k: torch.randn(k, c.audio.n_mels, 3000, generator=g).to(dev, dtype)  # noqa: E731
     ids = lambda s: torch.randint(0, c.text.vocab_size, (1, s), generator=g).to(dev)  # noqa: E731
     emb = lambda s: (torch.randn(1, s, H, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
-    chunks, seq = Dim("chunks", min=1, max=K), Dim("seq", min=1, max=S)
+    # one chunk at most: a static chunk dim (torch.export refuses Dim(min=1, max=1))
+    chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else None), Dim("seq", min=1, max=S)
     mel_dims = [_dim(1, K), c.audio.n_mels, 3000]
     decoder = model.decoder()
     state = {f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec([1, c.text.n_kv_heads, S, c.text.head_dim], _dtype_name(dtype))
@@ -135,7 +136,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
                    spec("preprocessor", [("waveform", "float32", [_dim(N_SAMPLES, K * N_SAMPLES, N_SAMPLES)])],
                         [("mel", "float32", [_dim(1, K), c.audio.n_mels, 3000])]),
                    [(wave(1),), (wave(small),)]),
-        MethodPlan("audio_encoder", AudioEncoderMethod(model), (mel(2),), ({0: chunks},),
+        MethodPlan("audio_encoder", AudioEncoderMethod(model), (mel(min(2, K)),), ({0: chunks},),
                    spec("audio_encoder", [("mel", _dtype_name(dtype), mel_dims)],
                         [("audio_embeds", _dtype_name(dtype), [1, _dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), H])]),
                    [(mel(small),), (mel(1),)]),
@@ -259,7 +260,7 @@ def export_bundle(model: Voxtral, source: ModelSource, tekken_path: Path, out: P
                     so = compile_method(plan, opts, Path(work), debug_dir)
                     shutil.copyfile(so, stage / f"{plan.name}.so")
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cached.with_suffix(".so.tmp")
+                tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # concurrent exports: unique name
                 shutil.copyfile(stage / f"{plan.name}.so", tmp)
                 tmp.replace(cached)
                 report.cached[plan.name] = False
@@ -298,6 +299,7 @@ def export_bundle(model: Voxtral, source: ModelSource, tekken_path: Path, out: P
             with Program.load(stage, device=opts.device) as program:
                 for plan in plans:
                     report.max_error[plan.name] = self_check(program, plan, model, dtype)
+        stage.chmod(0o755)  # mkdtemp makes it private; a bundle is a normal directory
         _publish(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,226 @@
+"""`python -m runner export|run|bench|inspect|fetch` — the verbs are the nox sessions are the workflow jobs.
+
+Errors a user can cause end as one `error: …` line and exit code 1 (`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from runner.errors import RunnerError
+
+log = logging.getLogger("runner")
+FIXTURE_AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+
+
+# ---------------------------------------------------------------- export
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", type=Path, help="directory written by VoxtralForConditionalGeneration."
+                     "save_pretrained (config.json + safetensors) plus tekken.json")
+    src.add_argument("--preset", default=None, help="tiny (the embedded default) or voxtral-mini-3b")
+    p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
+    p.add_argument("--max-audio-chunks", type=int, default=2, help="longest audio, in 30 s chunks")
+    p.add_argument("--out", type=Path, default=None, help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="compile cache (default ~/.cache/voxtral-runner)")
+    p.add_argument("--no-check", action="store_true", help="skip the exported-vs-eager self-check")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from runner.export.checkpoint import TINY_CHECKPOINT, load_checkpoint, random_model, write_tiny_checkpoint
+    from runner.export.exporter import ExportOptions, default_cache_dir, export_bundle
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    console = Console(stderr=True)
+    if args.checkpoint:
+        name = args.checkpoint.resolve().name
+        model, source, tekken = load_checkpoint(args.checkpoint)
+    else:
+        name = args.preset or "tiny"
+        if args.random_init:
+            from runner.export.checkpoint import FIXTURES
+
+            model, source = random_model(name, args.seed)
+            tekken = FIXTURES / "tekken.json"
+        elif name == "tiny":
+            ckpt = write_tiny_checkpoint(Path(args.cache_dir or default_cache_dir()) / "checkpoints" / TINY_CHECKPOINT.name)
+            model, source, tekken = load_checkpoint(ckpt)
+        else:
+            raise RunnerError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
+    out = args.out or Path("artifacts") / f"voxtral-{name}-{device}-{dtype}"
+    opts = ExportOptions(device=device, dtype=dtype, max_seq_len=args.max_seq_len,
+                         max_audio_chunks=args.max_audio_chunks, debug=os.environ.get("DEBUG") == "1",
+                         cache_dir=args.cache_dir, check=not args.no_check)
+    with console.status(f"exporting {name} ({device}, {dtype})") as status:
+        def progress(method: str, phase: str) -> None:
+            if phase in ("compiling", "checking against eager"):
+                status.update(f"{method}: {phase} (AOTInductor takes minutes on a small CPU)…")
+            else:
+                console.print(f"  {method:16s} {phase}")
+        report = export_bundle(model, source, tekken, out, opts, progress=progress)
+    console.print(f"bundle: {out}")
+    for m, err in report.max_error.items():
+        console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
+    print(out)
+    return 0
+
+
+# ---------------------------------------------------------------- run
+
+
+def add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--audio", type=Path, action="append", required=True, help="audio file (repeatable)")
+    p.add_argument("--prompt", default=None, help="chat prompt about the audio (default: transcription)")
+    p.add_argument("--language", default=None, help="transcription language, e.g. en")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
+    p.add_argument("--reference", choices=["eager"], default=None,
+                   help="also run the eager PyTorch model with the same weights and compare")
+    p.add_argument("--expect", default=None, help="fail unless every transcript contains TEXT (case-insensitive)")
+    p.add_argument("--expect-tokens", type=Path, default=None,
+                   help="golden JSON {audio file name: [token ids]}; fail on any difference")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from runner.program import Program
+    from runner.stats import Stats, now_ms
+    from runner.transcribe import run_files
+
+    load = Stats()
+    load.model_load_start_ms = now_ms()
+    with Program.load(args.bundle) as program:
+        load.model_load_end_ms = now_ms()
+        return run_files(program, args, load)
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def add_inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    p.add_argument("--no-verify", action="store_true", help="skip the digest check")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from runner.bundle import MANIFEST_NAME, read_manifest, verify_bundle
+
+    manifest = read_manifest(args.bundle) if args.no_verify else verify_bundle(args.bundle)
+    if args.json:
+        print((args.bundle / MANIFEST_NAME).read_text(), end="")
+        return 0
+    render_manifest(manifest, args.bundle, verified=not args.no_verify)
+    return 0
+
+
+def render_manifest(manifest, bundle: Path, verified: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m, c = manifest.model, manifest.model["config"]
+    console = Console()
+    console.print(f"[bold]{bundle}[/bold]  format v{manifest.format_version}, {manifest.created_by}")
+    console.print(f"built with torch {manifest.torch_version} for {manifest.device}"
+                  f"{' ' + manifest.gpu_arch if manifest.gpu_arch else ''}, dtype {manifest.dtype}")
+    src = m.get("source", {})
+    console.print(f"model: {m.get('family')} from {src.get('kind')} {src.get('name')}"
+                  f"{' seed ' + str(src['seed']) if src.get('seed') is not None else ''}; "
+                  f"text {c['text']['n_layers']}x{c['text']['dim']} ({c['text']['n_heads']} heads, "
+                  f"{c['text']['n_kv_heads']} kv), audio {c['audio']['n_layers']}x{c['audio']['dim']}, "
+                  f"vocab {c['text']['vocab_size']}")
+    console.print(f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s "
+                  f"({m['tokens_per_chunk']} tokens per chunk)")
+    console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
+    methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
+    for name, spec in manifest.methods.items():
+        methods.add_row(name, "\n".join(t.describe() for t in spec.inputs),
+                        "\n".join(t.describe() for t in spec.outputs), str(len(spec.state) or ""), spec.library)
+    console.print(methods)
+    files = Table("file", "bytes", "sha256", title="files" + (" (digests verified)" if verified else ""))
+    for name, f in manifest.files.items():
+        files.add_row(name, f"{f.size:,}", f.sha256[:16] + "…")
+    console.print(files)
+
+
+# ---------------------------------------------------------------- the parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m runner", formatter_class=fmt,
+                                description="Voxtral on AOTInductor: export a bundle, run it, time it, inspect it, "
+                                            "or fetch one from a CI run.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-method detail, -vv: debug")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    verbs = {
+        "export": (add_export, cmd_export, "build a bundle (.so per method, weights, model.pte)"),
+        "run": (add_run, cmd_run, "transcribe / answer about audio files with a bundle"),
+        "inspect": (add_inspect, cmd_inspect, "show a bundle's manifest"),
+    }
+    for name, (add, fn, help_) in verbs.items():
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
+        add(sp)
+        sp.set_defaults(fn=fn)
+    _add_optional_verb(sub, fmt, "bench", "runner.bench", "time a bundle beside the eager model")
+    _add_optional_verb(sub, fmt, "fetch", "runner.fetch", "download a bundle artifact from a GitHub Actions run")
+    return p
+
+
+def _add_optional_verb(sub, fmt, name: str, module: str, help_: str) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:  # keep the other verbs usable where a verb's extras are not installed
+        sp = sub.add_parser(name, help=f"{help_} (unavailable: {e})")
+        sp.set_defaults(fn=lambda args, e=e: _unavailable(name, e))
+        return
+    sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
+    mod.add_arguments(sp)
+    sp.set_defaults(fn=mod.main)
+
+
+def _unavailable(name: str, e: Exception) -> int:
+    raise RunnerError(f"{name} is unavailable here: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except RunnerError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,239 @@
+"""The multimodal runner: prompt segments -> prefill -> decode loop, over any Engine (the exported program, or
+the eager model for `--reference eager`), so both sides run exactly the same loop."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from runner.audio import SAMPLE_RATE, load_audio, pad_to_chunks
+from runner.errors import GenerationError
+from runner.program import Program
+from runner.stats import Stats, now_ms
+from runner.tokenizer import StreamDecoder, Tekken
+
+# Languages Voxtral transcribes (mistral-common's `lang:xx` prefix).
+LANGUAGES = ("en", "es", "fr", "pt", "hi", "de", "nl", "it")
+
+
+# ---------------------------------------------------------------- engines
+
+
+class Engine(Protocol):
+    device: str
+    max_seq_len: int
+    max_audio_chunks: int
+    encoder_dtype: torch.dtype
+
+    def preprocess(self, wave: torch.Tensor) -> torch.Tensor: ...  # [k*480000] f32 -> mel [k,128,3000] f32
+    def encode(self, mel: torch.Tensor) -> torch.Tensor: ...  # mel (encoder dtype) -> [1, k*375, H]
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [1, S] int64 -> [1, S, H]
+    def decode(self, embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # -> logits [1, V] f32
+    def reset(self) -> None: ...
+
+
+class ProgramEngine:
+    def __init__(self, program: Program):
+        m, model = program.methods, program.manifest.model
+        self.program, self.device = program, program.device
+        self.max_seq_len, self.max_audio_chunks = model["max_seq_len"], model["max_audio_chunks"]
+        self.encoder_dtype = m["audio_encoder"].input_dtype(0)  # what the encoder declares, e.g. bf16 on CUDA
+        self._pre, self._enc, self._emb, self._dec = (m[k] for k in ("preprocessor", "audio_encoder", "token_embedding", "text_decoder"))
+
+    def preprocess(self, wave):
+        return self._pre(wave)[0]
+
+    def encode(self, mel):
+        return self._enc(mel)[0]
+
+    def embed(self, ids):
+        return self._emb(ids)[0]
+
+    def decode(self, embeds, pos):
+        return self._dec(embeds, pos)[0]
+
+    def reset(self):
+        self.program.reset_state()
+
+
+def to_encoder_dtype(mel: torch.Tensor, want: torch.dtype) -> torch.Tensor:
+    """The seed's convert_to_bfloat16, generalised: features come out of the preprocessor as float32 and
+    the encoder may declare a narrower float; anything else is a clear error, not a silent reinterpretation."""
+    if mel.dtype == want:
+        return mel
+    if mel.dtype == torch.float32 and want in (torch.bfloat16, torch.float16):
+        return mel.to(want)
+    raise GenerationError(f"audio_encoder expects {want}, the features are {mel.dtype}: unsupported dtype conversion")
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class TextSegment:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AudioSegment:
+    samples: np.ndarray  # float32 mono 16 kHz
+
+
+Segment = TextSegment | AudioSegment
+
+
+def transcription_prompt(tok: Tekken, audio: np.ndarray, language: str | None) -> list[Segment]:
+    """mistral-common's transcription request: <s>[INST][BEGIN_AUDIO][AUDIO]…[/INST]lang:xx[TRANSCRIBE]."""
+    if language is not None and language not in LANGUAGES:
+        raise GenerationError(f"unknown language {language!r}; choose from {', '.join(LANGUAGES)}")
+    s = tok.special_id
+    tail = [s("[/INST]")] + (tok.encode(f"lang:{language}") if language else []) + [s("[TRANSCRIBE]")]
+    return [TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))), AudioSegment(audio), TextSegment(tuple(tail))]
+
+
+def chat_prompt(tok: Tekken, audio: np.ndarray, prompt: str) -> list[Segment]:
+    """The seed's runner: <s>[INST][BEGIN_AUDIO] + audio + {prompt}[/INST]. The prompt is plain text: a
+    "[INST]" typed by a user stays text, never a control token."""
+    s = tok.special_id
+    return [TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))), AudioSegment(audio),
+            TextSegment(tuple(tok.encode(prompt)) + (s("[/INST]"),))]
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0  # ignore EOS until this many tokens (benchmarks force a fixed length)
+    record_logits: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0 or self.min_new_tokens < 0:
+            raise GenerationError("--max-new-tokens / --min-new-tokens must be >= 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise GenerationError("--temperature must be >= 0 and --top-p in (0, 1]")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    stop_reason: str  # "eos" | "max_new_tokens" | "context"
+    stats: Stats
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per generated token, when recorded
+
+
+class Sampler:
+    """Greedy at temperature 0; otherwise temperature + top-p from a seeded generator."""
+
+    def __init__(self, opts: GenerationOptions, device: str):
+        self.temperature, self.top_p = opts.temperature, opts.top_p
+        self.generator = None
+        if opts.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:  # logits [1, V] -> token [1, 1]
+        if self.generator is None:
+            return logits.argmax(dim=-1, keepdim=True)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # always keeps the most likely token
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p * keep)
+        return torch.multinomial(probs, 1, generator=self.generator)
+
+
+class MultimodalRunner:
+    def __init__(self, engine: Engine, tokenizer: Tekken):
+        self.engine, self.tok = engine, tokenizer
+        self.audio_id = tokenizer.special_id("[AUDIO]")
+
+    def _positions(self, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n, device=self.engine.device)
+
+    def prefill(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
+        """Run the segments in order through the decoder; returns the last logits and the prompt ids (with the
+        [AUDIO] id at every audio position, as HF's input_ids)."""
+        e, pos, prompt_ids, logits = self.engine, 0, [], None
+        for seg in segments:
+            if isinstance(seg, TextSegment):
+                ids = torch.tensor([seg.ids], dtype=torch.int64, device=e.device)
+                embeds = e.embed(ids)
+                prompt_ids += seg.ids
+            else:
+                wave = torch.from_numpy(pad_to_chunks(seg.samples, e.max_audio_chunks)).to(e.device)
+                mel = e.preprocess(wave)
+                embeds = e.encode(to_encoder_dtype(mel, e.encoder_dtype))
+                prompt_ids += [self.audio_id] * embeds.shape[1]
+            n = embeds.shape[1]
+            if pos + n > e.max_seq_len:
+                raise GenerationError(f"the prompt needs {pos + n} positions, the bundle's context is "
+                                      f"{e.max_seq_len} (--max-seq-len at export)")
+            logits = e.decode(embeds, self._positions(pos, n))
+            pos += n
+        return logits, prompt_ids
+
+    def generate(self, segments: list[Segment], opts: GenerationOptions, on_text: Callable[[str], None] | None = None,
+                 stats: Stats | None = None, forced: list[int] | None = None) -> GenerationResult:
+        """`forced` feeds the given tokens instead of sampling (teacher forcing, for the eager comparison)."""
+        e, stats = self.engine, stats or Stats()
+        stats.audio_seconds = sum(len(s.samples) for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
+        sampler, stream = Sampler(opts, e.device), StreamDecoder(self.tok)
+        tokens: list[int] = []
+        recorded: list[torch.Tensor] = []
+        e.reset()  # every input starts from an empty KV cache
+        stats.inference_start_ms = now_ms()
+        try:
+            logits, prompt_ids = self.prefill(segments)
+            stats.prompt_eval_end_ms = now_ms()
+            stats.prompt_tokens = pos = len(prompt_ids)
+            stop = "max_new_tokens"
+            eos = self.tok.eos_id
+            limit = opts.max_new_tokens if forced is None else min(opts.max_new_tokens, len(forced))
+            while len(tokens) < limit:
+                if opts.record_logits:
+                    recorded.append(logits.float().cpu())
+                t0 = now_ms()
+                token = sampler(logits) if forced is None else torch.tensor([[forced[len(tokens)]]], device=e.device)
+                tok_id = int(token)  # the one host sync per step: we need the id to stream and to stop
+                stats.aggregate_sampling_time_ms += now_ms() - t0
+                if not tokens:
+                    stats.first_token_ms = now_ms()
+                tokens.append(tok_id)
+                if tok_id == eos and len(tokens) > opts.min_new_tokens and forced is None:
+                    stop = "eos"
+                    break
+                if on_text and tok_id < self.tok.vocab_size:
+                    on_text(stream.feed(tok_id))
+                if len(tokens) == limit:
+                    break
+                if pos >= e.max_seq_len:
+                    stop = "context"
+                    break
+                logits = e.decode(e.embed(token.view(1, 1)), self._positions(pos, 1))
+                pos += 1
+        finally:
+            e.reset()
+        if on_text:
+            on_text(stream.flush())
+        stats.inference_end_ms = now_ms()
+        stats.generated_tokens = len(tokens)
+        stats.finish_memory(e.device)
+        text = self.tok.decode([t for t in tokens if t < self.tok.vocab_size and t != self.tok.eos_id])
+        return GenerationResult(text, prompt_ids, tokens, stop, stats, recorded)
+
+    def prompt_for(self, audio_path: str | os.PathLike, prompt: str | None, language: str | None) -> list[Segment]:
+        samples = load_audio(audio_path)
+        return chat_prompt(self.tok, samples, prompt) if prompt else transcription_prompt(self.tok, samples, language)
+

@@ -1,0 +1,136 @@
+"""The `run` verb: several audio files through one loaded program, streamed text, stats, and the checks the
+e2e job relies on (golden tokens, an expected substring, the eager reference)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runner.errors import RunnerError
+from runner.multimodal import GenerationOptions, GenerationResult, MultimodalRunner, ProgramEngine, Segment
+from runner.program import Program
+from runner.stats import Stats
+from runner.tokenizer import Tekken
+
+
+@dataclass(frozen=True)
+class ReferenceReport:
+    """Our tokens scored by the eager model under teacher forcing. For greedy decoding, "no divergence" is
+    exactly "eager would have generated the same tokens": with the same prefix it picks the same next one."""
+
+    first_divergence: int | None  # index of the first generated token eager would not have picked
+    max_logit_error: float  # max |ours - eager| over every generated step
+    logit_scale: float  # max |eager logit|, to read the error against
+    near_tie: bool  # at the divergence, eager's margin between its pick and ours is within the logit error
+    ok: bool
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def compare_with_reference(reference: MultimodalRunner, segments: list[Segment], ours: GenerationResult,
+                           opts: GenerationOptions, dtype: torch.dtype) -> ReferenceReport:
+    forced = GenerationOptions(max_new_tokens=len(ours.tokens), record_logits=True)
+    ref = reference.generate(segments, forced, forced=ours.tokens)
+    first, err, scale, tie = None, 0.0, 0.0, False
+    for i, (a, b) in enumerate(zip(ours.logits, ref.logits)):
+        err = max(err, (a - b).abs().max().item())
+        scale = max(scale, b.abs().max().item())
+        if first is None and opts.temperature == 0 and int(b.argmax()) != ours.tokens[i]:
+            first = i
+            margin = (b[0, b.argmax()] - b[0, ours.tokens[i]]).item()
+            tie = margin <= 2 * (a - b).abs().max().item()
+    # fp32 must match exactly; bf16 may flip a token only where eager itself sees a near tie.
+    ok = first is None or (dtype != torch.float32 and tie)
+    if opts.temperature > 0:
+        ok = err <= (1e-3 if dtype == torch.float32 else 5e-2) * max(scale, 1.0)
+    return ReferenceReport(first, err, scale, tie, ok)
+
+
+def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
+    tok = Tekken.from_file(program.bundle_dir / program.manifest.model["tokenizer"])
+    runner = MultimodalRunner(ProgramEngine(program), tok)
+    opts = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             seed=args.seed, min_new_tokens=args.min_new_tokens,
+                             record_logits=args.reference is not None)
+    reference = None
+    if args.reference == "eager":
+        from runner.export.eager import EagerEngine  # the eager model lives above the runtime; import lazily
+
+        reference = MultimodalRunner(EagerEngine(program.bundle_dir, program.manifest), tok)
+    golden = _read_golden(args.expect_tokens, program) if args.expect_tokens else None
+    text_out = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON lines
+    failures: list[str] = []
+    dtype = getattr(torch, program.manifest.dtype)
+
+    for path in args.audio:
+        segments = runner.prompt_for(path, args.prompt, args.language)
+        if not args.json:
+            print(f"== {path}", file=sys.stderr)
+        stats = copy.copy(load)
+
+        def stream(text: str) -> None:
+            text_out.write(text)
+            text_out.flush()
+
+        result = runner.generate(segments, opts, on_text=stream, stats=stats)
+        text_out.write("\n")
+        if result.stop_reason == "context":
+            print(f"note: {path}: stopped at the end of the context ({program.manifest.model['max_seq_len']} "
+                  "tokens); export with a larger --max-seq-len for longer output", file=sys.stderr)
+        record = {"audio": str(path), "text": result.text, "prompt_ids": result.prompt_ids, "tokens": result.tokens,
+                  "stop_reason": result.stop_reason, "stats": stats.to_dict()}
+        if reference is not None:
+            rep = compare_with_reference(reference, segments, result, opts, dtype)
+            record["reference"] = rep.to_dict()
+            print(f"eager reference: {'match' if rep.first_divergence is None else f'first divergence at token {rep.first_divergence}'}"
+                  f", max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
+                  f"{', near tie' if rep.near_tie else ''}", file=sys.stderr)
+            if not rep.ok:
+                failures.append(f"{path}: tokens differ from the eager reference at token {rep.first_divergence}")
+        if args.expect and args.expect.lower() not in result.text.lower():
+            failures.append(f"{path}: transcript does not contain {args.expect!r}: {result.text!r}")
+        if golden is not None:
+            want = golden.get(Path(path).name)
+            if want is None:
+                failures.append(f"{args.expect_tokens}: no golden tokens for {Path(path).name}")
+            elif want != result.tokens:
+                diff = next((i for i, (a, b) in enumerate(zip(want, result.tokens)) if a != b), min(len(want), len(result.tokens)))
+                failures.append(f"{path}: tokens differ from {args.expect_tokens.name} at index {diff}")
+        print(stats.observer_line(), file=sys.stderr)
+        for line in stats.human_lines():
+            print(line, file=sys.stderr)
+        if args.json:
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+
+    if failures:
+        for f in failures[:-1]:
+            print(f"error: {f}", file=sys.stderr)
+        raise RunnerError(failures[-1])
+    return 0
+
+
+def _read_golden(path: Path, program: Program) -> dict[str, list[int]] | None:
+    """Golden tokens are per model (weights digest) and per device-dtype: another bundle's numerics may
+    legitimately pick other tokens, so for those the eager reference is the check."""
+    try:
+        data = json.loads(Path(path).read_text())
+        digest, by_kind = data["weights_digest"], data["tokens"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise RunnerError(f"{path}: not a golden-token file ({e})") from None
+    m = program.manifest
+    if digest != m.model["source"]["weights_digest"]:
+        raise RunnerError(f"{path}: golden tokens are for another model (weights {digest[:12]}…), "
+                          f"the bundle has {m.model['source']['weights_digest'][:12]}…")
+    kind = f"{m.device}-{m.dtype}"
+    if kind not in by_kind:
+        print(f"note: {path} has no golden tokens for {kind}; checking against --reference only", file=sys.stderr)
+        return None
+    return {k: list(v) for k, v in by_kind[kind].items()}

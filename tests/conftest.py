@@ -1,0 +1,64 @@
+"""Shared fixtures: bundles are exported once per session; compiled `.so` files come from the compile cache
+(~/.cache/voxtral-runner or $VOXTRAL_RUNNER_CACHE), so a warm run re-exports in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.export.checkpoint import load_checkpoint, write_tiny_checkpoint
+from runner.export.exporter import ExportOptions, default_cache_dir, export_bundle
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+AUDIO = FIXTURES / "audio"
+
+# A config no preset uses (other widths, head counts, KV heads, layers, rope theta, one audio chunk): a
+# bundle from it proves nothing is hard-coded to the presets.
+OTHER_HF_CONFIG = {
+    "audio_config": {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4},
+    "text_config": {"vocab_size": 1024, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
+                    "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "rope_theta": 5e5,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    "audio_token_id": 24,
+}
+
+
+def export_cached(checkpoint: Path, out: Path, **opts) -> Path:
+    model, source, tekken = load_checkpoint(checkpoint)
+    export_bundle(model, source, tekken, out, ExportOptions(**opts))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Path:
+    return write_tiny_checkpoint(default_cache_dir() / "checkpoints" / "voxtral-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
+    return export_cached(tiny_checkpoint, tmp_path_factory.mktemp("bundles") / "tiny")
+
+
+def save_hf_checkpoint(dest: Path, hf_config: dict, seed: int = 0) -> Path:
+    """A tiny checkpoint exactly as transformers writes it (save_pretrained), plus the fixture tokenizer."""
+    from transformers import VoxtralConfig, VoxtralForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = VoxtralForConditionalGeneration(VoxtralConfig(**json.loads(json.dumps(hf_config))))
+    model.save_pretrained(dest)
+    (dest / "tekken.json").write_bytes((FIXTURES / "tekken.json").read_bytes())
+    return dest
+
+
+@pytest.fixture(scope="session")
+def other_checkpoint(tmp_path_factory) -> Path:
+    return save_hf_checkpoint(tmp_path_factory.mktemp("ckpt") / "other", OTHER_HF_CONFIG, seed=7)
+
+
+@pytest.fixture(scope="session")
+def other_bundle(other_checkpoint, tmp_path_factory) -> Path:
+    return export_cached(other_checkpoint, tmp_path_factory.mktemp("bundles") / "other",
+                         max_audio_chunks=1, max_seq_len=512)

@@ -134,9 +134,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
+        # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so fold them into the
+        # sequence axis of KV head j ([b, H_kv, rep*S, D]); repeat_interleave would write rep x the cache.
         rep = c.n_heads // c.n_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        q = q.reshape(b, c.n_kv_heads, rep * s, c.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(rep, 1))  # [b, H_kv, rep*S, D]
+        y = y.reshape(b, c.n_heads, s, c.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
 

@@ -31,7 +31,7 @@ class TensorSpec:
     shape: list[Dim]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorSpec":
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
         return cls(name=d["name"], dtype=d["dtype"], shape=list(d["shape"]))
 
     def describe(self) -> str:
@@ -57,7 +57,7 @@ class MethodSpec:
     state: dict[str, StateSpec] = field(default_factory=dict)  # by original FQN
 
     @classmethod
-    def from_dict(cls, name: str, d: dict[str, Any]) -> "MethodSpec":
+    def from_dict(cls, name: str, d: dict[str, Any]) -> MethodSpec:
         return cls(
             name=name,
             library=d["library"],
@@ -92,7 +92,7 @@ class Manifest:
         return json.dumps(d, indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = MANIFEST_NAME) -> "Manifest":
+    def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:
         try:
             d = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

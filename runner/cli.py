@@ -42,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from runner.export.checkpoint import TINY_CHECKPOINT, load_checkpoint, random_model, write_tiny_checkpoint
-    from runner.export.exporter import ExportOptions, default_cache_dir, export_bundle
+    from runner.export.exporter import DTYPES, ExportOptions, default_cache_dir, export_bundle
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
@@ -55,7 +55,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.random_init:
             from runner.export.checkpoint import FIXTURES
 
-            model, source = random_model(name, args.seed)
+            model, source = random_model(name, args.seed, DTYPES[dtype], device)
             tekken = FIXTURES / "tekken.json"
         elif name == "tiny":
             ckpt = write_tiny_checkpoint(Path(args.cache_dir or default_cache_dir()) / "checkpoints" / TINY_CHECKPOINT.name)
@@ -94,6 +94,7 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
+    p.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode steps without graph replay")
     p.add_argument("--reference", choices=["eager"], default=None,
                    help="also run the eager PyTorch model with the same weights and compare")
     p.add_argument("--expect", default=None, help="fail unless every transcript contains TEXT (case-insensitive)")

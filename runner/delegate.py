@@ -186,7 +186,10 @@ class AOTIBackend:
         self._call(h, "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs",
                    h.container, ctypes.cast(pairs, _vp), len(tensors), False, True)
 
-    def execute(self, h: Handle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def execute(self, h: Handle, inputs: list[torch.Tensor], *, graph_safe: bool = False) -> list[torch.Tensor]:
+        """Run the method. `graph_safe` runs on the caller's current stream through `...RunSingleThreaded`,
+        the entry point that can be captured into a CUDA graph (`...Run` fails under capture: "operation not
+        permitted when stream is capturing")."""
         if not h.alive:
             raise DelegateError(f"{h.spec.name}: execute on a destroyed handle")
         if len(inputs) != len(h.spec.inputs):
@@ -195,6 +198,13 @@ class AOTIBackend:
         in_caps = _to_handles(bound)
         in_arr = (_vp * len(bound))(*[_capsule_ptr(c, None) for c in in_caps])
         out_arr = (_vp * h.n_outputs)()
+        if graph_safe:
+            if "AOTInductorModelContainerRunSingleThreaded" not in h.fns:
+                raise DelegateError(f"{h.path}: no AOTInductorModelContainerRunSingleThreaded; cannot graph-capture")
+            stream = torch.cuda.current_stream(h.device).cuda_stream if h.device.type == "cuda" else None
+            self._call(h, "AOTInductorModelContainerRunSingleThreaded", h.container, in_arr, len(bound), out_arr,
+                       h.n_outputs, ctypes.c_void_p(stream), None)
+            return _steal_handles([_capsule_new(out_arr[i], None, None) for i in range(h.n_outputs)])
         if h.stream is not None:
             caller = torch.cuda.current_stream(h.device)
             h.stream.wait_stream(caller)

@@ -55,7 +55,7 @@ def compare_with_reference(reference: MultimodalRunner, segments: list[Segment],
 
 def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
     tok = Tekken.from_file(program.bundle_dir / program.manifest.model["tokenizer"])
-    runner = MultimodalRunner(ProgramEngine(program), tok)
+    runner = MultimodalRunner(ProgramEngine(program, cuda_graph=not args.no_cuda_graph), tok)
     opts = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              seed=args.seed, min_new_tokens=args.min_new_tokens,
                              record_logits=args.reference is not None)

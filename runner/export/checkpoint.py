@@ -113,11 +113,16 @@ def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str) -> N
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
 
 
-def random_model(preset_name: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[Voxtral, ModelSource]:
+def random_model(preset_name: str, seed: int, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> tuple[Voxtral, ModelSource]:
+    """A preset with seeded random weights, initialised directly on `device` in `dtype` (a 3B model built
+    in fp32 on the host first would cost minutes and 19 GB). The device's generator is part of the identity."""
     config = preset(preset_name)
-    digest = hashlib.sha256(json.dumps([config.to_dict(), seed], sort_keys=True).encode()).hexdigest()
-    model = Voxtral(config).init_weights(seed)
-    return model.to(dtype).eval(), ModelSource("random-init", preset_name, digest, seed)
+    digest = hashlib.sha256(json.dumps([config.to_dict(), seed, device, str(dtype)], sort_keys=True).encode()).hexdigest()
+    with torch.device("meta"):
+        model = Voxtral(config)
+    model = model.to_empty(device=device).to(dtype).init_weights(seed)
+    return model.eval(), ModelSource("random-init", preset_name, digest, seed)
 
 
 def write_tiny_checkpoint(dest: Path) -> Path:

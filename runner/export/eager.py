@@ -10,6 +10,7 @@ import torch
 from runner.bundle import Manifest
 from runner.export.checkpoint import model_from_bundle
 from runner.export.mel import LogMelSpectrogram
+from runner.multimodal import decode_token
 
 
 class EagerEngine:
@@ -40,3 +41,6 @@ class EagerEngine:
 
     def reset(self):
         self.model.reset_caches()
+
+    def decode_token(self, token, pos):
+        return decode_token(self, token, pos)

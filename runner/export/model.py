@@ -238,7 +238,8 @@ class Voxtral(nn.Module):
 
     def init_weights(self, seed: int) -> Voxtral:
         """Deterministic random init (normal(0, initializer_range), norms at one, biases zero)."""
-        g = torch.Generator().manual_seed(seed)
+        device = next(self.parameters()).device
+        g = torch.Generator(device=device).manual_seed(seed)
         std = self.config.initializer_range
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -247,5 +248,5 @@ class Voxtral(nn.Module):
                 elif p.dim() == 1:  # LayerNorm / RMSNorm scales
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+                    p.copy_(torch.randn(p.shape, generator=g, device=device) * std)
         return self

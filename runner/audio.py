@@ -1,0 +1,113 @@
+"""Runtime audio front end: read a file into float32 mono 16 kHz samples and cut it into 30 s chunks.
+
+The mel spectrogram itself is computed by the exported `preprocessor` method (runner/export/mel.py), so this
+module needs no torch. The constants below are the ones every other module derives its shapes from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+
+import numpy as np
+
+from runner.errors import AudioError
+
+SAMPLE_RATE = 16000  # Hz; Whisper / Voxtral front end
+N_FFT = 400  # 25 ms STFT window
+HOP_LENGTH = 160  # 10 ms hop
+CHUNK_LENGTH = 30  # seconds of audio per encoder chunk
+N_SAMPLES = CHUNK_LENGTH * SAMPLE_RATE  # 480000 samples in a 30-second chunk
+N_FRAMES = N_SAMPLES // HOP_LENGTH  # 3000 mel frames in a chunk (the STFT's last frame is dropped)
+N_MELS = 128  # Voxtral's mel bins (Whisper large-v3 style)
+# 3000 frames -> 1500 after the encoder's stride-2 conv -> 375 after the projector groups 4 frames into one token.
+TOKENS_PER_CHUNK = N_FRAMES // 2 // 4
+
+_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the data size unset
+
+
+def load_audio(path: str | os.PathLike) -> np.ndarray:
+    """Read wav/flac/ogg into float32 mono at SAMPLE_RATE: channels averaged, any other rate resampled (soxr).
+
+    Raises AudioError, one line naming the file, for anything that is not complete, finite audio.
+    Silence is valid audio.
+    """
+    # Imported here, not at the top: the constants and chunking must also work where only torch is installed
+    # (the export machine imports them through runner/export/mel.py).
+    import soundfile as sf
+    import soxr
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise AudioError(f"audio file not found: {path}")
+    if not os.path.isfile(path):
+        raise AudioError(f"audio path is not a file: {path}")
+    if os.path.getsize(path) == 0:
+        raise AudioError(f"audio file is empty (0 bytes): {path}")
+    _check_wav_not_truncated(path)
+
+    try:
+        with sf.SoundFile(path) as f:
+            declared, sr = f.frames, f.samplerate
+            data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
+    except sf.LibsndfileError as e:
+        what = "not a readable audio file" if "Error opening" in str(e) else "truncated or corrupt audio"
+        raise AudioError(f"{what}: {path} ({_one_line(e)})") from None
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise AudioError(f"cannot read audio file: {path} ({_one_line(e)})") from None
+
+    # libsndfile can stop early on a damaged stream without raising; a short read means the file lies.
+    if len(data) < declared:
+        raise AudioError(f"truncated audio file: {path} (read {len(data)} of {declared} frames)")
+    if len(data) == 0:
+        raise AudioError(f"audio file has no samples (empty or truncated): {path}")
+    if not np.isfinite(data).all():
+        raise AudioError(f"audio file contains NaN or Inf samples: {path}")
+
+    wave = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    if sr != SAMPLE_RATE:
+        wave = soxr.resample(wave, sr, SAMPLE_RATE)
+    return np.ascontiguousarray(wave, dtype=np.float32)
+
+
+def num_chunks(num_samples: int) -> int:
+    """How many 30 s chunks `num_samples` samples need (ceil); at least one, so empty input still has a chunk."""
+    return max(1, math.ceil(num_samples / N_SAMPLES))
+
+
+def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
+    """Zero-pad `wave` to a whole number of chunks, refusing audio longer than the bundle was exported for."""
+    n = num_chunks(len(wave))
+    if n > max_chunks:
+        raise AudioError(
+            f"audio is {len(wave) / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s); "
+            f"this bundle takes at most {max_chunks} chunks ({max_chunks * CHUNK_LENGTH} s)"
+        )
+    out = np.zeros(n * N_SAMPLES, dtype=np.float32)
+    out[: len(wave)] = wave
+    return out
+
+
+def _check_wav_not_truncated(path: str) -> None:
+    """libsndfile reads a WAV cut short without complaint, so compare the declared data size with the file's."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if f.read(12)[:4] != b"RIFF":
+            return  # not a RIFF/WAVE file (or RF64): nothing to check here
+        pos = 12
+        while pos + 8 <= size:
+            f.seek(pos)
+            chunk_id, chunk_size = struct.unpack("<4sI", f.read(8))
+            if chunk_id == b"data":
+                have = size - (pos + 8)
+                if chunk_size not in _WAV_UNKNOWN_SIZES and have < chunk_size:
+                    raise AudioError(
+                        f"truncated audio file: {path} (WAV data chunk declares {chunk_size} bytes, {have} present)"
+                    )
+                return
+            pos += 8 + chunk_size + (chunk_size & 1)  # chunks are padded to even sizes
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

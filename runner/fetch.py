@@ -1,0 +1,583 @@
+"""`python -m runner fetch`: download a CI run's bundle artifact, check it, and lay it out in a directory, so
+`nox -s e2e -- --bundle DIR` reproduces the CI run locally (docs/ci.md).
+
+GitHub REST API 2022-11-28. The artifact zip is served through a 302 to a signed storage URL on another host;
+that hop is fetched *bare*: no token (the signature is the credential, and the storage host must never see
+ours) and no logging of its query string (the signature is a bearer credential too, valid for minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import stat
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import requests
+import requests.auth
+
+from runner.bundle import MANIFEST_NAME, verify_bundle
+from runner.errors import BundleError, FetchError
+
+API_VERSION = "2022-11-28"
+DEFAULT_API_URL = "https://api.github.com"
+USER_AGENT = "voxtral-aoti-runner-fetch"
+TOKEN_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
+PER_PAGE = 100
+MAX_RUNS_SCANNED = 30  # --latest looks at this many successful runs, newest first, before giving up
+MAX_REDIRECTS = 5
+MAX_ARCHIVE_BYTES = 64 << 30  # the bf16 3B bundle is ~10 GB; anything far past that is not ours
+MAX_MEMBERS = 10_000
+TIMEOUT = (15, 120)  # (connect, read) seconds
+CHUNK = 1 << 20
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+_REPO_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Rate limits and 5xx are retried a few times; a wait longer than `max_wait` is not worth blocking on."""
+
+    attempts: int = 5
+    max_wait: float = 120.0
+    backoff: float = 2.0  # first 5xx/connection retry waits this long, then doubles
+
+
+def redact(url: str) -> str:
+    """scheme://host/path: what may be shown of a URL whose query string is a credential."""
+    p = urlsplit(url)
+    host = p.hostname or ""
+    if p.port:
+        host = f"{host}:{p.port}"
+    return f"{p.scheme}://{host}{p.path}"
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    p = urlsplit(url)
+    return p.scheme, (p.hostname or "").lower(), p.port
+
+
+def _check_transport(url: str, what: str) -> None:
+    # A token or a signed URL over plain http is readable by anyone on the path; loopback is for tests.
+    scheme, host, _ = _origin(url)
+    if scheme == "https" or (scheme == "http" and host in _LOOPBACK):
+        return
+    raise FetchError(f"{what} {redact(url)} is not https; refusing to send credentials over it")
+
+
+def _no_auth(r: requests.PreparedRequest) -> requests.PreparedRequest:
+    # An explicit auth hook so requests neither adds ~/.netrc credentials nor keeps an Authorization header.
+    r.headers.pop("Authorization", None)
+    return r
+
+
+class _Bearer(requests.auth.AuthBase):
+    """The token as an auth hook, not a plain header: with no auth given, requests would replace the header
+    with ~/.netrc credentials for the host."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        r.headers["Authorization"] = f"Bearer {self._token}"
+        return r
+
+
+@contextlib.contextmanager
+def _quiet_urllib3() -> Iterator[None]:
+    """urllib3 logs request lines (query string included) at DEBUG; keep signed URLs out of any debug log."""
+    log = logging.getLogger("urllib3.connectionpool")
+    level = log.level
+    log.setLevel(max(level, logging.INFO))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _when(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).strftime("%H:%M:%S UTC")
+
+
+def _message(resp: requests.Response) -> str:
+    try:
+        msg = resp.json().get("message", "")
+    except ValueError:
+        msg = ""
+    return " ".join(str(msg).split())[:200]
+
+
+class GitHub:
+    """A minimal REST client: auth headers on API requests only, bounded retries, Link pagination."""
+
+    def __init__(
+        self,
+        api_url: str,
+        token: str,
+        *,
+        session: requests.Session | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.api_url = api_url.rstrip("/")
+        _check_transport(self.api_url, "API URL")
+        self._token = token
+        self._session = session or requests.Session()
+        self._retry = retry
+        self._sleep = sleep
+        self._clock = clock
+
+    def _headers(self) -> dict[str, str]:
+        return {
+            "Accept": "application/vnd.github+json",
+            "X-GitHub-Api-Version": API_VERSION,
+            "User-Agent": USER_AGENT,
+        }
+
+    def _retry_after(self, resp: requests.Response, attempt: int) -> tuple[float, str] | None:
+        """How long to wait before retrying `resp`, and why; None when it is not retryable."""
+        h = resp.headers
+        limited = resp.status_code == 429 or (
+            resp.status_code == 403
+            and (h.get("x-ratelimit-remaining") == "0" or "retry-after" in h or "rate limit" in _message(resp).lower())
+        )
+        if limited:
+            if "retry-after" in h:
+                return _seconds(h["retry-after"]), "GitHub API rate limit (retry-after)"
+            if h.get("x-ratelimit-remaining") == "0" and "x-ratelimit-reset" in h:
+                reset = _seconds(h["x-ratelimit-reset"])
+                why = f"GitHub API rate limit exhausted; it resets at {_when(reset)}"
+                return max(0.0, reset - self._clock()) + 1, why
+            return 60.0, "GitHub secondary rate limit"
+        if resp.status_code in (500, 502, 503, 504):
+            if "retry-after" in h:
+                return _seconds(h["retry-after"]), f"HTTP {resp.status_code}"
+            return self._retry.backoff * 2**attempt, f"HTTP {resp.status_code}"
+        return None
+
+    def request(self, url: str, what: str, *, params: dict[str, Any] | None = None, stream: bool = False):
+        """GET an API URL (never follows redirects: the caller decides where the token may go)."""
+        if _origin(url) != _origin(self.api_url):
+            raise FetchError(f"{what}: the API pointed at {redact(url)}, off {redact(self.api_url)}; not following")
+        for attempt in range(self._retry.attempts):
+            last = attempt == self._retry.attempts - 1
+            try:
+                resp = self._session.get(
+                    url,
+                    params=params,
+                    headers=self._headers(),
+                    auth=_Bearer(self._token),
+                    stream=stream,
+                    allow_redirects=False,
+                    timeout=TIMEOUT,
+                )
+            except requests.RequestException as e:
+                if last:
+                    raise FetchError(f"{what}: cannot reach {redact(url)} ({type(e).__name__})") from None
+                self._sleep(min(self._retry.backoff * 2**attempt, self._retry.max_wait))
+                continue
+            wait = self._retry_after(resp, attempt)
+            if wait is None:
+                return resp
+            seconds, why = wait
+            resp.close()
+            if last or seconds > self._retry.max_wait:
+                raise FetchError(f"{what}: {why}; gave up after {attempt + 1} attempt(s), try again later")
+            self._sleep(seconds)
+        raise AssertionError("unreachable")
+
+    def get_json(self, path: str, what: str, *, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        resp = self.request(f"{self.api_url}{path}", what, params=params)
+        _raise_for_status(resp, what)
+        return resp.json()
+
+    def paginate(self, path: str, key: str, what: str, *, params: dict[str, Any] | None = None) -> Iterator[dict]:
+        """Items of a list endpoint, following `Link: <...>; rel="next"` (which already carries the query)."""
+        url: str | None = f"{self.api_url}{path}"
+        params = {"per_page": PER_PAGE, **(params or {})}
+        while url:
+            resp = self.request(url, what, params=params)
+            _raise_for_status(resp, what)
+            yield from resp.json().get(key, [])
+            url, params = resp.links.get("next", {}).get("url"), None
+
+
+def _seconds(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 60.0
+
+
+def _raise_for_status(resp: requests.Response, what: str) -> None:
+    code = resp.status_code
+    if 200 <= code < 300:
+        return
+    msg = _message(resp)
+    detail = f" ({msg})" if msg else ""
+    if code == 401:
+        raise FetchError(f"{what}: GitHub rejected the token (401{detail}); check GITHUB_TOKEN / GH_TOKEN")
+    if code == 403:
+        wanted = resp.headers.get("x-accepted-github-permissions") or resp.headers.get("x-accepted-oauth-scopes")
+        need = f"it needs {wanted}" if wanted else "it needs read access to Actions (`actions: read`, or `repo` scope)"
+        raise FetchError(f"{what}: forbidden (403{detail}); the token lacks access: {need}")
+    if code == 404:
+        raise FetchError(f"{what}: not found (404); check the name, and that the token can see the repository")
+    if code == 410:
+        raise FetchError(f"{what}: gone (410{detail}); the artifact has expired, re-run the workflow to rebuild it")
+    raise FetchError(f"{what}: HTTP {code}{detail}")
+
+
+# ---- choosing the artifact ---------------------------------------------------------------------------------------
+
+
+def _created(a: dict) -> datetime:
+    return datetime.fromisoformat(str(a.get("created_at", "1970-01-01T00:00:00Z")).replace("Z", "+00:00"))
+
+
+def _pick(artifacts: list[dict], name: str) -> tuple[dict | None, list[dict]]:
+    """The newest non-expired artifact called `name`, and the expired ones of that name (for the message)."""
+    named = [a for a in artifacts if a.get("name") == name]
+    live = [a for a in named if not a.get("expired")]
+    return (max(live, key=_created) if live else None), [a for a in named if a.get("expired")]
+
+
+def _run_artifacts(gh: GitHub, repo: str, run_id: int) -> list[dict]:
+    return list(
+        gh.paginate(f"/repos/{repo}/actions/runs/{run_id}/artifacts", "artifacts", f"artifacts of run {run_id}")
+    )
+
+
+def find_in_run(gh: GitHub, repo: str, run_id: int, name: str) -> tuple[dict, dict]:
+    """(run, artifact) for an explicit run id, or a FetchError that says what the run does have."""
+    run = gh.get_json(f"/repos/{repo}/actions/runs/{run_id}", f"run {run_id} of {repo}")
+    artifacts = _run_artifacts(gh, repo, run_id)
+    artifact, expired = _pick(artifacts, name)
+    if artifact:
+        return run, artifact
+    if expired:
+        when = max(str(a.get("expires_at") or "?") for a in expired)
+        raise FetchError(f"artifact {name} of run {run_id} expired ({when}); re-run the workflow to rebuild it")
+    names = sorted({str(a.get("name")) for a in artifacts})
+    have = f"it has: {', '.join(names)}" if names else "it has no artifacts (still running, or the upload failed?)"
+    raise FetchError(f"run {run_id} of {repo} has no artifact named {name}; {have}")
+
+
+def find_latest(
+    gh: GitHub, repo: str, name: str, *, branch: str | None, workflow: str | None, allow_forks: bool
+) -> tuple[dict, dict]:
+    """(run, artifact) from the newest successful run that still has a live artifact called `name`.
+
+    Runs of pull requests from forks are skipped unless asked for: their bundle is a stranger's `.so`."""
+    path = f"/repos/{repo}/actions/workflows/{workflow}/runs" if workflow else f"/repos/{repo}/actions/runs"
+    params = {"status": "success", **({"branch": branch} if branch else {})}
+    where = " ".join(filter(None, [f"of {workflow}" if workflow else "", f"on {branch}" if branch else ""]))
+    scanned = 0
+    for run in gh.paginate(path, "workflow_runs", f"runs {where or 'of ' + repo}".strip(), params=params):
+        head = (run.get("head_repository") or {}).get("full_name")
+        if head and head.lower() != repo.lower() and not allow_forks:
+            continue
+        scanned += 1
+        artifact, _ = _pick(_run_artifacts(gh, repo, int(run["id"])), name)
+        if artifact:
+            return run, artifact
+        if scanned >= MAX_RUNS_SCANNED:
+            break
+    raise FetchError(
+        f"no successful run {where + ' ' if where else ''}in {repo} (newest {scanned} looked at) "
+        f"has a live artifact named {name}"
+    )
+
+
+# ---- download and extraction -------------------------------------------------------------------------------------
+
+
+def _progress(total: int | None, enabled: bool, label: str):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = (f"[bold]{label}", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    return Progress(*columns, console=Console(stderr=True), transient=False)
+
+
+def download_zip(
+    gh: GitHub, repo: str, artifact: dict, out: Path, *, progress: bool, max_bytes: int = MAX_ARCHIVE_BYTES
+) -> str:
+    """Stream the artifact's zip to `out`; returns its sha256 hex."""
+    what = f"artifact {artifact['name']} ({artifact['id']})"
+    resp = gh.request(f"{gh.api_url}/repos/{repo}/actions/artifacts/{artifact['id']}/zip", what, stream=True)
+    hops = 0
+    while resp.status_code in (301, 302, 303, 307, 308):
+        location = resp.headers.get("location")
+        resp.close()
+        if not location or hops >= MAX_REDIRECTS:
+            raise FetchError(f"{what}: bad redirect from {redact(resp.url)}")
+        location = urljoin(resp.url, location)
+        _check_transport(location, f"{what}: storage URL")
+        hops += 1
+        with _quiet_urllib3():
+            try:
+                # Bare on purpose: no token, no netrc, no redirect following by requests (see _no_auth).
+                resp = requests.get(
+                    location,
+                    headers={"User-Agent": USER_AGENT},
+                    auth=_no_auth,
+                    stream=True,
+                    allow_redirects=False,
+                    timeout=TIMEOUT,
+                )
+            except requests.RequestException as e:
+                raise FetchError(f"{what}: cannot download from {redact(location)} ({type(e).__name__})") from None
+    if resp.status_code in (401, 403) and hops:
+        resp.close()
+        raise FetchError(
+            f"{what}: the storage host refused the download (HTTP {resp.status_code}); "
+            "its signed URL may have expired, try again"
+        )
+    _raise_for_status(resp, what)
+
+    total = int(resp.headers.get("content-length") or artifact.get("size_in_bytes") or 0) or None
+    if total and total > max_bytes:
+        raise FetchError(f"{what}: {total} bytes is over the {max_bytes}-byte cap")
+    h = hashlib.sha256()
+    done = 0
+    with _quiet_urllib3(), resp, open(out, "xb") as f, _progress(total, progress, artifact["name"]) as bar:
+        task = bar.add_task("download", total=total) if bar else None
+        try:
+            for block in resp.iter_content(CHUNK):
+                done += len(block)
+                if done > max_bytes:
+                    raise FetchError(f"{what}: download passed the {max_bytes}-byte cap; stopped")
+                h.update(block)
+                f.write(block)
+                if bar:
+                    bar.update(task, advance=len(block))
+        except requests.RequestException as e:
+            raise FetchError(f"{what}: download interrupted ({type(e).__name__}); try again") from None
+    if total and resp.headers.get("content-length") and done != total:
+        raise FetchError(f"{what}: download ended early ({done} of {total} bytes); try again")
+    return h.hexdigest()
+
+
+def check_digest(artifact: dict, sha256: str) -> None:
+    """GitHub records `digest: "sha256:<hex>"` for artifacts uploaded by upload-artifact v4.5+; older ones have none."""
+    digest = artifact.get("digest")
+    if not digest:
+        return
+    algo, _, expected = str(digest).partition(":")
+    if algo.lower() == "sha256" and expected.lower() != sha256:
+        raise FetchError(
+            f"artifact {artifact['name']} ({artifact['id']}): sha256 {sha256} does not match GitHub's digest "
+            f"{expected}; the download is corrupt or was tampered with"
+        )
+
+
+def _unsafe(info: zipfile.ZipInfo) -> str | None:
+    name = info.filename
+    parts = PurePosixPath(name).parts
+    if not name or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or "\\" in name or "\0" in name:
+        return "an absolute or non-POSIX path"
+    if ".." in parts:
+        return "a '..' path"
+    mode = info.external_attr >> 16
+    kind = stat.S_IFMT(mode)
+    if kind == stat.S_IFLNK:
+        return "a symbolic link"
+    if kind not in (0, stat.S_IFREG, stat.S_IFDIR):
+        return "a special file"
+    if info.flag_bits & 0x1:
+        return "an encrypted member"
+    return None
+
+
+def extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> None:
+    """Extract into the (new, empty) `dest`, refusing anything that could write outside it."""
+    try:
+        zf = zipfile.ZipFile(archive)
+    except zipfile.BadZipFile:
+        raise FetchError(f"{archive.name}: not a zip archive") from None
+    with zf:
+        infos = zf.infolist()
+        if len(infos) > MAX_MEMBERS:
+            raise FetchError(f"unsafe archive: {len(infos)} members (cap {MAX_MEMBERS})")
+        seen: set[str] = set()
+        for info in infos:
+            why = _unsafe(info)
+            if why:
+                raise FetchError(f"unsafe archive: member {info.filename!r} is {why}")
+            key = info.filename.rstrip("/")
+            if key in seen:
+                raise FetchError(f"unsafe archive: member {info.filename!r} appears twice")
+            seen.add(key)
+        declared = sum(i.file_size for i in infos)
+        if declared > max_bytes:
+            raise FetchError(f"unsafe archive: {declared} bytes uncompressed is over the {max_bytes}-byte cap")
+        written = 0
+        for info in infos:
+            target = dest.joinpath(*PurePosixPath(info.filename).parts)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with zf.open(info) as src, open(target, "xb") as out:
+                    while block := src.read(CHUNK):
+                        written += len(block)
+                        if written > max_bytes:
+                            raise FetchError(f"unsafe archive: more than {max_bytes} bytes once extracted")
+                        out.write(block)
+            except (zipfile.BadZipFile, OSError, EOFError) as e:
+                raise FetchError(f"archive member {info.filename!r}: {type(e).__name__}: {e}") from None
+
+
+# ---- the whole verb ----------------------------------------------------------------------------------------------
+
+
+def resolve_api_url(api_url: str | None = None) -> str:
+    return (api_url or os.environ.get("GITHUB_API_URL") or DEFAULT_API_URL).rstrip("/")
+
+
+def token_from_env() -> str | None:
+    for var in TOKEN_VARS:
+        if os.environ.get(var, "").strip():
+            return os.environ[var].strip()
+    return None
+
+
+def _prepare_dest(dest: Path, force: bool) -> None:
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise FetchError(f"{dest}: exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise FetchError(f"{dest}: not empty; pass --force to replace it")
+
+
+def fetch_artifact(
+    repo: str,
+    *,
+    run_id: int | None = None,
+    latest: bool = False,
+    branch: str | None = None,
+    workflow: str | None = None,
+    name: str,
+    dest: str | os.PathLike,
+    api_url: str | None = None,
+    token: str | None,
+    progress: bool = True,
+    force: bool = False,
+    allow_forks: bool = False,
+    max_bytes: int = MAX_ARCHIVE_BYTES,
+    log: Callable[[str], None] | None = None,
+    session: requests.Session | None = None,
+    retry: RetryPolicy = RetryPolicy(),
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.time,
+) -> Path:
+    """Download bundle artifact `name` of a run (`run_id`, or the newest successful one with `latest`) into
+    `dest`, verify GitHub's digest and the bundle manifest, and return `dest`. Raises FetchError."""
+    log = log or (lambda _msg: None)
+    if not _REPO_RE.match(repo or ""):
+        raise FetchError(f"--repo {repo!r}: expected OWNER/NAME")
+    if (run_id is None) == (not latest):
+        raise FetchError("give exactly one of --run-id ID or --latest")
+    if run_id is not None and (branch or workflow):
+        raise FetchError("--branch and --workflow only apply with --latest")
+    if not name or name in (".", "..") or any(c in name for c in '"/\\:<>|*?\r\n'):
+        raise FetchError(f"--name {name!r}: not a valid artifact name")
+    if not token:
+        raise FetchError(
+            "no GitHub token: set GITHUB_TOKEN or GH_TOKEN (artifact downloads need one, even from public repos)"
+        )
+    if any(c.isspace() for c in token):
+        raise FetchError("the GitHub token contains whitespace; check GITHUB_TOKEN / GH_TOKEN")
+    dest = Path(dest)
+    _prepare_dest(dest, force)
+
+    gh = GitHub(resolve_api_url(api_url), token, session=session, retry=retry, sleep=sleep, clock=clock)
+    if latest:
+        run, artifact = find_latest(gh, repo, name, branch=branch, workflow=workflow, allow_forks=allow_forks)
+    else:
+        run, artifact = find_in_run(gh, repo, int(run_id), name)
+    sha = str(run.get("head_sha") or "")[:12]
+    size = artifact.get("size_in_bytes", "?")
+    log(f"run {run.get('id')} ({run.get('head_branch')}@{sha}): artifact {name} id {artifact['id']}, {size} bytes")
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
+    try:
+        archive = work / "artifact.zip"
+        digest = download_zip(gh, repo, artifact, archive, progress=progress, max_bytes=max_bytes)
+        check_digest(artifact, digest)
+        staged = work / "bundle"
+        staged.mkdir()
+        extract_zip(archive, staged, max_bytes=max_bytes)
+        archive.unlink()
+        try:
+            manifest = verify_bundle(staged)
+        except BundleError as e:
+            shown = str(e).replace(str(staged), str(dest))
+            raise FetchError(f"artifact {name} of run {run.get('id')} is not a valid bundle: {shown}") from None
+        if dest.exists():  # empty, or --force: swap in only now that the new one is known good
+            old = work / "previous"
+            dest.rename(old)
+        staged.rename(dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"{dest}: {len(manifest.files)} files verified against {MANIFEST_NAME} (sha256 {digest[:12]} zip)")
+    return dest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repo", required=True, help="OWNER/NAME of the repository whose CI built the bundle")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run-id", type=int, help="workflow run id (the number in .../actions/runs/ID)")
+    which.add_argument("--latest", action="store_true", help="the newest successful run with that artifact")
+    parser.add_argument("--branch", help="with --latest: only runs on this branch")
+    parser.add_argument("--workflow", help="with --latest: only runs of this workflow file (e.g. ci.yml, cuda.yml)")
+    parser.add_argument("--name", required=True, help="artifact name, e.g. voxtral-bundle-tiny-cpu-fp32")
+    parser.add_argument("--dest", help="directory the bundle's files land in (default: artifacts/NAME)")
+    parser.add_argument(
+        "--api-url", default=None, help=f"GitHub API root (default: $GITHUB_API_URL, else {DEFAULT_API_URL})"
+    )
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --dest")
+    parser.add_argument("--allow-forks", action="store_true", help="with --latest: also consider fork PR runs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    dest = fetch_artifact(
+        args.repo,
+        run_id=args.run_id,
+        latest=args.latest,
+        branch=args.branch,
+        workflow=args.workflow,
+        name=args.name,
+        dest=args.dest or Path("artifacts") / args.name,
+        api_url=args.api_url,
+        token=token_from_env(),
+        progress=not args.no_progress and sys.stderr.isatty(),
+        force=args.force,
+        allow_forks=args.allow_forks,
+        log=log,
+    )
+    print(dest)  # stdout carries only the directory, for DIR=$(python -m runner fetch ...)
+    return 0

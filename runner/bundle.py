@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -129,6 +130,53 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def cache_dir() -> Path:
+    """The user cache: compiled `.so` files (export) and verified digests (runtime)."""
+    base = os.environ.get("VOXTRAL_RUNNER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "voxtral-runner")
+    return Path(base)
+
+
+class DigestCache:
+    """Remembers the sha256 of files already hashed, keyed by (path, size, inode, mtime_ns, ctime_ns).
+
+    A 3B bundle is ~9 GB: hashing it on every load would dominate load time. ctime changes on any write to the
+    file (and cannot be set from user space), so a stat match means the bytes hashed earlier are still there;
+    anything else is hashed again. `VOXTRAL_RUNNER_REHASH=1` ignores the cache."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or cache_dir() / "digests.json"
+        try:
+            self.entries = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.dirty = False
+
+    @staticmethod
+    def _key(p: Path) -> str:
+        st = p.stat()
+        return f"{p.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+    def sha256(self, p: Path) -> str:
+        key = self._key(p)
+        if os.environ.get("VOXTRAL_RUNNER_REHASH") != "1" and key in self.entries:
+            return self.entries[key]
+        digest = self.entries[key] = sha256_file(p)
+        self.dirty = True
+        return digest
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.entries))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a read-only cache only costs time
+
+
 def safe_member(bundle_dir: Path, rel: str) -> Path:
     """Resolve a manifest path inside the bundle; refuse absolute paths, `..` and symlinks."""
     p = PurePosixPath(rel)
@@ -172,15 +220,23 @@ def verify_bundle(bundle_dir: str | os.PathLike, *, check_digests: bool = True) 
     missing = [m for m in METHOD_NAMES if m not in manifest.methods]
     if missing:
         raise BundleError(f"{bundle_dir / MANIFEST_NAME}: methods missing: {', '.join(missing)}")
+    paths = {}
     for rel, entry in manifest.files.items():
-        path = safe_member(bundle_dir, rel)
+        path = paths[rel] = safe_member(bundle_dir, rel)
         if not path.is_file():
             raise BundleError(f"{path}: missing from the bundle")
         size = path.stat().st_size
         if size != entry.size:
             raise BundleError(f"{path}: size {size} does not match the manifest ({entry.size})")
-        if check_digests and sha256_file(path) != entry.sha256:
-            raise BundleError(f"{path}: sha256 does not match the manifest (corrupt or modified file)")
+    if check_digests:
+        digests = DigestCache()
+        # hashlib releases the GIL on large buffers: the files hash in parallel
+        with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
+            actual = dict(zip(paths, pool.map(digests.sha256, paths.values())))
+        digests.save()
+        for rel, entry in manifest.files.items():
+            if actual[rel] != entry.sha256:
+                raise BundleError(f"{paths[rel]}: sha256 does not match the manifest (corrupt or modified file)")
     return manifest
 
 

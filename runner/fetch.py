@@ -432,11 +432,11 @@ def extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES
         written = 0
         for info in infos:
             target = dest.joinpath(*PurePosixPath(info.filename).parts)
-            if info.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
             try:
+                if info.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
                 with zf.open(info) as src, open(target, "xb") as out:
                     while block := src.read(CHUNK):
                         written += len(block)

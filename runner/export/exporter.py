@@ -33,6 +33,7 @@ from runner.bundle import (
     MethodSpec,
     StateSpec,
     TensorSpec,
+    cache_dir,
     file_entries,
     write_manifest,
 )
@@ -120,7 +121,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     ids = lambda s: torch.randint(0, c.text.vocab_size, (1, s), generator=g).to(dev)  # noqa: E731
     emb = lambda s: (torch.randn(1, s, H, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
     # one chunk at most: a static chunk dim (torch.export refuses Dim(min=1, max=1))
-    chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else None), Dim("seq", min=1, max=S)
+    chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else Dim.STATIC), Dim("seq", min=1, max=S)
     mel_dims = [_dim(1, K), c.audio.n_mels, 3000]
     decoder = model.decoder()
     state = {f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec([1, c.text.n_kv_heads, S, c.text.head_dim], _dtype_name(dtype))
@@ -175,9 +176,7 @@ def cache_key(model: Voxtral, source: ModelSource, opts: ExportOptions, method: 
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("VOXTRAL_RUNNER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "voxtral-runner")
-    return Path(base)
+    return cache_dir()
 
 
 def _export(plan: MethodPlan, opts: ExportOptions) -> torch.export.ExportedProgram:

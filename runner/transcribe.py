@@ -126,11 +126,9 @@ def _read_golden(path: Path, program: Program) -> dict[str, list[int]] | None:
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise RunnerError(f"{path}: not a golden-token file ({e})") from None
     m = program.manifest
-    if digest != m.model["source"]["weights_digest"]:
-        raise RunnerError(f"{path}: golden tokens are for another model (weights {digest[:12]}…), "
-                          f"the bundle has {m.model['source']['weights_digest'][:12]}…")
     kind = f"{m.device}-{m.dtype}"
-    if kind not in by_kind:
-        print(f"note: {path} has no golden tokens for {kind}; checking against --reference only", file=sys.stderr)
+    if digest != m.model["source"]["weights_digest"] or kind not in by_kind:
+        print(f"note: {path} holds no golden tokens for this model on {kind}; checking against --reference only",
+              file=sys.stderr)
         return None
     return {k: list(v) for k, v in by_kind[kind].items()}

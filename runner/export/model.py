@@ -137,9 +137,14 @@ class Attention(nn.Module):
         # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so fold them into the
         # sequence axis of KV head j ([b, H_kv, rep*S, D]); repeat_interleave would write rep x the cache.
         rep = c.n_heads // c.n_kv_heads
-        q = q.reshape(b, c.n_kv_heads, rep * s, c.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(rep, 1))  # [b, H_kv, rep*S, D]
-        y = y.reshape(b, c.n_heads, s, c.head_dim)
+        q = q.contiguous().view(b, c.n_kv_heads, rep * s, c.head_dim)
+        # Attention written out rather than SDPA with a mask: on CUDA, SDPA's memory-efficient kernel pads the
+        # mask and torch 2.11's export cannot prove the resulting guard for a dynamic length. Softmax in
+        # float32, as HF's Llama does.
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * c.head_dim**-0.5  # [b, H_kv, rep*S, max_seq]
+        scores = scores.masked_fill(~mask.repeat(rep, 1), float("-inf"))
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, rep*S, D]
+        y = y.view(b, c.n_heads, s, c.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
 
 

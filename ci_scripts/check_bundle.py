@@ -1,0 +1,110 @@
+"""The required-file + digest check a CI job runs on a bundle directory, before uploading it and after
+downloading it (the seed's workflow listed the files by hand; here the manifest is the list).
+
+    python ci_scripts/check_bundle.py DIR [--expect-digest SHA] [--github-output FILE] [--summary FILE]
+
+Prints a table (file, role, size, sha256) and exits 1 with one `error: ...` line when a file is missing, of the
+wrong size or digest, or when the bundle is not the one expected. With --github-output it writes `bundle-digest`,
+`bundle-bytes`, `bundle-files` and `upload-paths` (model.pte plus exactly the manifest's files, one per line: what
+the upload step uploads, so nothing unchecked travels). Files in DIR the manifest does not name are warned about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner/ without installing it (stdlib only here)
+
+from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, verify_bundle  # noqa: E402
+from runner.errors import RunnerError  # noqa: E402
+
+REQUIRED_FILES = ("tekken.json",)  # beyond each method's library and weights, which verify_bundle requires
+
+
+def roles(manifest: Manifest) -> dict[str, str]:
+    out = {name: "" for name in manifest.files}
+    for m in manifest.methods.values():
+        out[m.library] = f"{m.name} library"
+        if m.weights:
+            out[m.weights] = f"{m.name} weights"
+    if "tekken.json" in out:
+        out["tekken.json"] = "tokenizer"
+    return out
+
+
+def check(bundle_dir: Path, expect_digest: str | None = None) -> tuple[Manifest, str, list[str]]:
+    """(manifest, bundle digest, unlisted files); raises RunnerError."""
+    manifest = verify_bundle(bundle_dir)
+    missing = [f for f in REQUIRED_FILES if f not in manifest.files]
+    if missing:
+        raise RunnerError(f"{bundle_dir / MANIFEST_NAME}: does not list {', '.join(missing)}")
+    digest = bundle_digest(bundle_dir / MANIFEST_NAME)
+    if expect_digest and digest != expect_digest:
+        raise RunnerError(f"{bundle_dir}: bundle digest {digest} is not the exported one ({expect_digest})")
+    listed = {MANIFEST_NAME, *manifest.files}
+    unlisted = sorted(
+        p.relative_to(bundle_dir).as_posix() for p in bundle_dir.rglob("*") if not p.is_dir()
+        if p.relative_to(bundle_dir).as_posix() not in listed
+    )  # fmt: skip
+    return manifest, digest, unlisted
+
+
+def table(manifest: Manifest, bundle_dir: Path, digest: str) -> list[tuple[str, str, str, str]]:
+    r = roles(manifest)
+    rows = [(MANIFEST_NAME, "manifest", str((bundle_dir / MANIFEST_NAME).stat().st_size), digest)]
+    rows += [(name, r[name], str(e.size), e.sha256) for name, e in sorted(manifest.files.items())]
+    return rows
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--expect-digest", help="fail unless model.pte's sha256 is this (the export job's output)")
+    ap.add_argument("--github-output", type=Path, help="append step outputs here ($GITHUB_OUTPUT)")
+    ap.add_argument("--summary", type=Path, help="append a markdown table here ($GITHUB_STEP_SUMMARY)")
+    args = ap.parse_args(argv)
+    try:
+        manifest, digest, unlisted = check(args.bundle, args.expect_digest)
+    except RunnerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    rows = table(manifest, args.bundle, digest)
+    total = sum(int(r[2]) for r in rows)
+    width = max(len(r[0]) for r in rows)
+    for name, role, size, sha in rows:
+        print(f"{name:<{width}}  {role:<24}  {human(int(size)):>10}  {sha[:16]}")
+    print(f"{args.bundle}: {len(rows)} files, {human(total)}, bundle digest {digest} "
+          f"({manifest.device}, {manifest.dtype}, torch {manifest.torch_version})")  # fmt: skip
+    for name in unlisted:
+        print(f"warning: {args.bundle / name} is not in {MANIFEST_NAME}; it is not uploaded", file=sys.stderr)
+
+    if args.github_output:
+        paths = "\n".join(str(args.bundle / r[0]) for r in rows)
+        with open(args.github_output, "a") as f:
+            f.write(f"bundle-digest={digest}\nbundle-bytes={total}\nbundle-files={len(rows)}\n")
+            f.write(f"upload-paths<<__PATHS__\n{paths}\n__PATHS__\n")
+    if args.summary:
+        with open(args.summary, "a") as f:
+            f.write(f"### Bundle `{args.bundle.name}`\n\n")
+            f.write(f"{manifest.device}, {manifest.dtype}, torch {manifest.torch_version}")
+            f.write(f"{', ' + manifest.gpu_arch if manifest.gpu_arch else ''}; digest `{digest}`\n\n")
+            f.write("| file | role | size | sha256 |\n|---|---|---:|---|\n")
+            for name, role, size, sha in rows:
+                f.write(f"| `{name}` | {role} | {human(int(size))} | `{sha[:16]}` |\n")
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

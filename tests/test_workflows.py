@@ -1,0 +1,399 @@
+"""The GitHub workflows, checked offline: they parse, the schema and zizmor find nothing, actions are pinned, and
+the job graph is consistent with the nox sessions, with itself (artifact names, the bundle directory) and with
+the bundle manifest. Also the ci_scripts glue the workflow steps call."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+try:
+    from tests.github_stub import write_fake_bundle
+except ImportError:  # tests/ on sys.path rather than importable as a package
+    from github_stub import write_fake_bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+FILES = {"ci": WORKFLOWS / "ci.yml", "cuda": WORKFLOWS / "cuda.yml"}
+GRAPH = ("export-artifact", "benchmark", "e2e")  # the seed's three jobs, in both workflows
+# The release each pinned SHA is; looked up from public workflows that pin the same tags.
+PINS = {
+    "actions/checkout": ("08c6903cd8c0fde910a37f88322edcfb5dd907a8", "v5.0.0"),
+    "actions/setup-python": ("a26af69be951a213d495a4c3e4e4022e16d87065", "v5.6.0"),
+    "actions/upload-artifact": ("ea165f8d65b6e75b540449e92b4886f43607fa02", "v4.6.2"),
+    "actions/download-artifact": ("d3f86a106a0bac45b974a628896c90dbdf5c8093", "v4.3.0"),
+}
+EXPR = re.compile(r"^\$\{\{\s*(.+?)\s*\}\}$")
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module", params=sorted(FILES))
+def wf(request) -> tuple[str, dict]:
+    return request.param, load(FILES[request.param])
+
+
+def on(w: dict) -> dict:
+    return w.get("on", w.get(True))  # YAML 1.1 reads a bare `on` key as True
+
+
+def steps(job: dict) -> list[dict]:
+    return job.get("steps", [])
+
+
+def step_using(job: dict, action: str) -> list[dict]:
+    return [s for s in steps(job) if s.get("uses", "").startswith(f"{action}@")]
+
+
+def expr(value: str) -> str:
+    m = EXPR.match(str(value).strip())
+    assert m, f"{value!r} is not a single ${{{{ }}}} expression"
+    return m.group(1)
+
+
+def tool(name: str) -> str:
+    exe = Path(sys.executable).parent / name
+    found = str(exe) if exe.exists() else shutil.which(name)
+    assert found, f"{name} is a test dependency (pyproject [test]); install it"
+    return found
+
+
+# ---- the linters ---------------------------------------------------------------------------------------------
+
+
+def test_workflows_parse_and_have_jobs(wf):
+    name, w = wf
+    assert w["name"] == name and w["jobs"]
+
+
+def test_github_workflow_schema_reports_nothing():
+    r = subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", *map(str, FILES.values())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_zizmor_offline_reports_nothing():
+    r = subprocess.run(
+        [tool("zizmor"), "--offline", "--no-progress", *map(str, FILES.values())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "No findings" in r.stdout, r.stdout + r.stderr
+
+
+# ---- hardening ---------------------------------------------------------------------------------------------
+
+
+def test_actions_are_pinned_to_the_release_sha_with_the_tag_in_a_comment(wf):
+    name, _ = wf
+    uses = re.findall(r"uses:\s*(\S+)(.*)", FILES[name].read_text())
+    assert uses
+    for ref, rest in uses:
+        action, _, sha = ref.partition("@")
+        assert action in PINS, f"{name}: {action} is not one of the reviewed actions"
+        want_sha, tag = PINS[action]
+        assert sha == want_sha, f"{name}: {action}@{sha} is not the pinned {tag} commit"
+        assert rest.strip() == f"# {tag}", f"{name}: {action} needs a trailing '# {tag}' comment"
+
+
+def test_no_expression_is_expanded_inside_a_shell_script(wf):
+    name, w = wf
+    for job_id, job in w["jobs"].items():
+        for s in steps(job):
+            assert "${{" not in s.get("run", ""), f"{name}/{job_id}: pass values to `run:` through env"
+
+
+def test_permissions_are_empty_at_the_top_and_read_only_per_job(wf):
+    name, w = wf
+    assert w["permissions"] == {}
+    for job_id, job in w["jobs"].items():
+        assert job.get("permissions") == {"contents": "read"}, f"{name}/{job_id}"
+
+
+def test_checkout_keeps_no_credentials(wf):
+    name, w = wf
+    for job_id, job in w["jobs"].items():
+        for s in step_using(job, "actions/checkout"):
+            assert s["with"]["persist-credentials"] is False, f"{name}/{job_id}"
+
+
+def test_the_hugging_face_token_is_only_in_the_cuda_hub_download_step():
+    assert "secrets." not in FILES["ci"].read_text()
+    w = load(FILES["cuda"])
+    found = []
+    for job_id, job in w["jobs"].items():
+        assert "secrets." not in json.dumps(job.get("env", {})), job_id
+        for s in steps(job):
+            if "secrets." in json.dumps(s):
+                found.append((job_id, s))
+    assert "secrets." not in json.dumps(w.get("env", {}))
+    assert len(found) == 1, "exactly one step reads a secret"
+    job_id, s = found[0]
+    assert job_id == "export-artifact"
+    assert s["env"] == {"HF_TOKEN": "${{ secrets.HF_TOKEN }}"}
+    assert "inputs.checkpoint" in s["if"], "the token is read only when a checkpoint is asked for"
+
+
+def test_gpu_jobs_skip_fork_pull_requests_and_benchmarks_queue():
+    w = load(FILES["cuda"])
+    export = w["jobs"]["export-artifact"]
+    assert "head.repo.full_name == github.repository" in export["if"]
+    assert w["concurrency"]["cancel-in-progress"] is False
+    bench = w["jobs"]["benchmark"]["concurrency"]
+    assert bench["cancel-in-progress"] is False and "benchmark" in bench["group"]
+    assert "vars.CUDA_RUNNER_LABEL" in w["jobs"]["export-artifact"]["runs-on"]
+
+
+def test_ci_installs_the_cpu_torch_wheel():
+    env = load(FILES["ci"])["env"]
+    assert "+cpu" in env["TORCH_SPEC"]
+    assert env["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert all(job["runs-on"] == "ubuntu-latest" for job in load(FILES["ci"])["jobs"].values())
+
+
+# ---- triggers and inputs -------------------------------------------------------------------------------------
+
+
+def test_triggers_are_pull_request_push_to_main_and_dispatch(wf):
+    _, w = wf
+    triggers = on(w)
+    assert "pull_request" in triggers and triggers["push"] == {"branches": ["main"]}
+    assert "workflow_dispatch" in triggers
+
+
+def test_cuda_dispatch_inputs_are_typed():
+    inputs = on(load(FILES["cuda"]))["workflow_dispatch"]["inputs"]
+    assert inputs["preset"]["type"] == "choice" and "voxtral-mini-3b" in inputs["preset"]["options"]
+    assert inputs["checkpoint"]["type"] == "string"
+    assert inputs["dtype"]["type"] == "choice" and set(inputs["dtype"]["options"]) == {"bf16", "fp32"}
+    assert inputs["max-new-tokens"]["type"] == "number" and inputs["benchmark-runs"]["type"] == "number"
+
+
+# ---- the job graph -------------------------------------------------------------------------------------------
+
+
+def test_both_workflows_have_the_three_jobs_wired_the_same_way(wf):
+    name, w = wf
+    jobs = w["jobs"]
+    assert set(GRAPH) <= set(jobs)
+    assert jobs["benchmark"]["needs"] == "export-artifact" and jobs["e2e"]["needs"] == "export-artifact"
+    if name == "ci":
+        assert {"lint", "tests"} <= set(jobs)
+
+
+def nox_sessions(job: dict) -> list[str]:
+    return [m for s in steps(job) for m in re.findall(r"\bnox -s ([\w-]+)", s.get("run", ""))]
+
+
+def test_each_job_is_its_nox_session_and_every_session_exists():
+    wanted = set()
+    for path in FILES.values():
+        for job_id, job in load(path)["jobs"].items():
+            sessions = nox_sessions(job)
+            assert sessions == [job_id], f"{path.name}/{job_id} runs {sessions}; it should run `nox -s {job_id}`"
+            wanted.update(sessions)
+    r = subprocess.run(
+        [sys.executable, "-m", "nox", "--list", "--json", "-f", str(ROOT / "noxfile.py"), "-s", *sorted(wanted)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    assert {s["name"] for s in json.loads(r.stdout)} == wanted
+
+
+def resolve_needs_output(w: dict, value: str) -> tuple[str, str]:
+    """`${{ needs.J.outputs.K }}` -> (J, the expression job J gives output K)."""
+    m = re.fullmatch(r"needs\.([\w-]+)\.outputs\.([\w-]+)", expr(value))
+    assert m, f"{value} does not come from a needed job's outputs"
+    return m.group(1), expr(w["jobs"][m.group(1)]["outputs"][m.group(2)])
+
+
+def test_downloads_name_the_artifact_the_export_job_uploads(wf):
+    name, w = wf
+    export = w["jobs"]["export-artifact"]
+    (upload,) = [s for s in step_using(export, "actions/upload-artifact")]
+    for job_id in ("benchmark", "e2e"):
+        (download,) = step_using(w["jobs"][job_id], "actions/download-artifact")
+        src_job, name_expr = resolve_needs_output(w, download["with"]["name"])
+        assert src_job == "export-artifact" and name_expr == expr(upload["with"]["name"]), f"{name}/{job_id}"
+        _, dir_expr = resolve_needs_output(w, download["with"]["path"])
+        assert dir_expr == "steps.bundle.outputs.dir", f"{name}/{job_id} downloads into the exported directory"
+
+
+def test_the_exported_directory_is_checked_and_exactly_its_manifest_files_are_uploaded(wf):
+    name, w = wf
+    export = w["jobs"]["export-artifact"]
+    by_id = {s.get("id"): s for s in steps(export)}
+    (exp,) = [s for s in steps(export) if "nox -s export-artifact" in s.get("run", "")]
+    assert '--out "$BUNDLE_DIR"' in exp["run"] and expr(exp["env"]["BUNDLE_DIR"]) == "steps.bundle.outputs.dir"
+    check = by_id["check"]
+    assert check["run"].startswith('python ci_scripts/check_bundle.py "$BUNDLE_DIR"')
+    assert expr(check["env"]["BUNDLE_DIR"]) == "steps.bundle.outputs.dir"
+    assert "--github-output" in check["run"]
+    upload = by_id["upload"]
+    assert expr(upload["with"]["path"]) == "steps.check.outputs.upload-paths", "upload what was checked"
+    order = [s.get("id") or s.get("name") for s in steps(export)]
+    assert order.index("check") < order.index("upload")
+
+
+def test_downloaded_bundles_are_checked_against_the_exported_digest_before_use(wf):
+    name, w = wf
+    assert expr(w["jobs"]["export-artifact"]["outputs"]["bundle-digest"]) == "steps.check.outputs.bundle-digest"
+    for job_id in ("benchmark", "e2e"):
+        job = w["jobs"][job_id]
+        runs = [s.get("run", "") for s in steps(job)]
+        i_check = next(i for i, r in enumerate(runs) if "check_bundle.py" in r)
+        i_nox = next(i for i, r in enumerate(runs) if "nox -s" in r)
+        assert '--expect-digest "$BUNDLE_DIGEST"' in runs[i_check] and i_check < i_nox, f"{name}/{job_id}"
+        assert '--bundle "$BUNDLE_DIR"' in runs[i_nox]
+        assert resolve_needs_output(w, job["env"]["BUNDLE_DIGEST"])[1] == "steps.check.outputs.bundle-digest"
+
+
+def test_uploads_fail_on_no_files_and_set_retention(wf):
+    name, w = wf
+    for job_id, job in w["jobs"].items():
+        for s in step_using(job, "actions/upload-artifact"):
+            assert s["with"]["if-no-files-found"] == "error", f"{name}/{job_id}"
+            assert int(s["with"]["retention-days"]) > 0, f"{name}/{job_id}"
+    (bundle,) = step_using(w["jobs"]["export-artifact"], "actions/upload-artifact")
+    assert bundle["with"]["compression-level"] == 0
+    outputs = w["jobs"]["export-artifact"]["outputs"]
+    assert expr(outputs["artifact-id"]) == "steps.upload.outputs.artifact-id"
+    assert expr(outputs["artifact-digest"]) == "steps.upload.outputs.artifact-digest"
+
+
+def test_benchmark_results_are_uploaded_and_summarised(wf):
+    name, w = wf
+    runs = "\n".join(s.get("run", "") for s in steps(w["jobs"]["benchmark"]))
+    assert "--json results/benchmark.json" in runs
+    assert "ci_scripts/job_summary.py results/benchmark.json" in runs
+    uploads = step_using(w["jobs"]["benchmark"], "actions/upload-artifact")
+    assert [u["with"]["path"] for u in uploads] == ["results/benchmark.json"]
+
+
+# ---- ci_scripts ----------------------------------------------------------------------------------------------
+
+
+def script(name: str, *args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "ci_scripts" / name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def read_outputs(path: Path) -> dict[str, str]:
+    """Parse a $GITHUB_OUTPUT file (key=value and key<<DELIM ... DELIM)."""
+    out, lines = {}, path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if "<<" in lines[i] and "=" not in lines[i].split("<<")[0]:
+            key, delim = lines[i].split("<<", 1)
+            end = lines.index(delim, i + 1)
+            out[key] = "\n".join(lines[i + 1 : end])
+            i = end + 1
+        else:
+            key, _, value = lines[i].partition("=")
+            out[key] = value
+            i += 1
+    return out
+
+
+def test_check_bundle_lists_the_manifest_files_and_uploads_exactly_those(tmp_path):
+    bundle = tmp_path / "voxtral-bundle-tiny-cpu-fp32"
+    manifest = write_fake_bundle(bundle)
+    (bundle / "export.log").write_text("not in the manifest")
+    gh_out, summary = tmp_path / "out", tmp_path / "summary.md"
+    r = script("check_bundle.py", bundle, "--github-output", gh_out, "--summary", summary)
+    assert r.returncode == 0, r.stderr
+    for name in manifest.files:
+        assert name in r.stdout
+    assert "export.log is not in model.pte" in r.stderr
+    outputs = read_outputs(gh_out)
+    uploaded = {Path(p).relative_to(bundle).as_posix() for p in outputs["upload-paths"].splitlines()}
+    assert uploaded == {"model.pte", *manifest.files}
+    assert re.fullmatch(r"[0-9a-f]{64}", outputs["bundle-digest"])
+    assert int(outputs["bundle-files"]) == len(manifest.files) + 1
+    assert "| `tekken.json` | tokenizer |" in summary.read_text()
+
+    assert script("check_bundle.py", bundle, "--expect-digest", outputs["bundle-digest"]).returncode == 0
+    r = script("check_bundle.py", bundle, "--expect-digest", "0" * 64)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "not the exported one" in r.stderr
+
+
+def test_check_bundle_fails_with_one_line_on_a_corrupt_or_missing_file(tmp_path):
+    bundle = tmp_path / "b"
+    write_fake_bundle(bundle)
+    lib = bundle / "audio_encoder.so"
+    lib.write_bytes(b"X" + lib.read_bytes()[1:])
+    r = script("check_bundle.py", bundle)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "audio_encoder.so" in r.stderr
+    lib.unlink()
+    r = script("check_bundle.py", bundle)
+    assert r.returncode == 1 and "missing" in r.stderr
+    r = script("check_bundle.py", tmp_path / "nope")
+    assert r.returncode == 1 and r.stderr.startswith("error: ")
+
+
+def test_check_bundle_requires_the_tokenizer_in_the_manifest(tmp_path):
+    from runner.bundle import read_manifest, write_manifest
+
+    bundle = tmp_path / "b"
+    write_fake_bundle(bundle)
+    m = read_manifest(bundle)
+    files = {k: v for k, v in m.files.items() if k != "tekken.json"}
+    write_manifest(bundle, type(m)(**{**m.__dict__, "files": files}))
+    r = script("check_bundle.py", bundle)
+    assert r.returncode == 1 and "tekken.json" in r.stderr
+
+
+def test_bundle_name_follows_the_artifact_naming_rule(tmp_path):
+    r = script("bundle_name.py", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32")
+    assert r.stdout == "name=voxtral-bundle-tiny-cpu-fp32\ndir=artifacts/voxtral-bundle-tiny-cpu-fp32\n"
+    out = tmp_path / "o"
+    args = ["--preset", "voxtral-mini-3b", "--random-init", "true", "--device", "cuda", "--dtype", "bf16"]
+    script("bundle_name.py", *args, "--github-output", out)
+    assert read_outputs(out)["name"] == "voxtral-bundle-voxtral-mini-3b-random-cuda-bf16"
+    r = script(
+        "bundle_name.py", "--checkpoint", "mistralai/Voxtral-Mini-3B-2507", "--device", "cuda", "--dtype", "bf16"
+    )
+    assert "name=voxtral-bundle-mistralai--Voxtral-Mini-3B-2507-cuda-bf16\n" in r.stdout
+
+
+def test_job_summary_renders_records_and_plain_objects(tmp_path):
+    results = tmp_path / "benchmark.json"
+    results.write_text(
+        json.dumps(
+            {"device": "cpu", "methods": [{"method": "text_decoder", "ms": {"p50": 1.23456}}, {"method": "a|b"}]}
+        )
+    )
+    summary = tmp_path / "summary.md"
+    assert script("job_summary.py", results, "--title", "Bench", "--out", summary).returncode == 0
+    text = summary.read_text()
+    assert "### Bench" in text and "| method | ms.p50 |" in text and "| text_decoder | 1.235 |" in text
+    assert "a\\|b" in text and "device: cpu" in text
+
+    results.write_text(json.dumps({"load_ms": 12.5, "decode": {"tok_per_s": 100}}))
+    r = script("job_summary.py", results)
+    assert "| decode.tok_per_s | 100 |" in r.stdout
+
+    r = script("job_summary.py", tmp_path / "missing.json", "--out", summary)
+    assert r.returncode == 0 and "was not written" in summary.read_text()

@@ -128,24 +128,23 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, cos, sin, input_pos, mask):
-        c, (b, s, _) = self.c, x.shape
-        q = self.q_proj(x).view(b, s, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        c, (b, s, _) = self.c, x.shape  # x: [b, S, dim], mask: [S, max_seq]
+        kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
+        # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so they are folded into
+        # KV head j's rows ([b, H_kv, S*rep, D]); repeat_interleave would write rep copies of the cache.
+        q = self.q_proj(x).view(b, s, kv, rep, d).permute(0, 2, 1, 3, 4)  # [b, H_kv, S, rep, D]
+        k = self.k_proj(x).view(b, s, kv, d).transpose(1, 2)  # [b, H_kv, S, D]
+        v = self.v_proj(x).view(b, s, kv, d).transpose(1, 2)
+        q, k = apply_rope(q, cos[:, None, :], sin[:, None, :]), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
-        # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so fold them into the
-        # sequence axis of KV head j ([b, H_kv, rep*S, D]); repeat_interleave would write rep x the cache.
-        rep = c.n_heads // c.n_kv_heads
-        q = q.contiguous().view(b, c.n_kv_heads, rep * s, c.head_dim)
-        # Attention written out rather than SDPA with a mask: on CUDA, SDPA's memory-efficient kernel pads the
-        # mask and torch 2.11's export cannot prove the resulting guard for a dynamic length. Softmax in
-        # float32, as HF's Llama does.
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * c.head_dim**-0.5  # [b, H_kv, rep*S, max_seq]
-        scores = scores.masked_fill(~mask.repeat(rep, 1), float("-inf"))
-        y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, rep*S, D]
-        y = y.view(b, c.n_heads, s, c.head_dim)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, c.n_heads * c.head_dim))
+        q = q.reshape(b, kv, s * rep, d)
+        # Written out rather than SDPA with a mask: torch 2.11 could not export SDPA's masked CUDA path for a
+        # dynamic length (an unprovable guard). Softmax in float32, as HF's Llama does.
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, max_seq]
+        scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, S*rep, D]
+        y = y.view(b, kv, s, rep, d).permute(0, 2, 1, 3, 4).reshape(b, s, c.n_heads * d)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):

@@ -4,7 +4,7 @@
 # Results: $OUT/results1.tgz; the compiled .so files: $OUT/cache.tgz (carried into call 2 to skip compiling).
 set -uo pipefail
 R=/tmp/res; mkdir -p $R
-. benchmarks/gpu_setup.sh 2>&1 | tee $R/env.txt
+. benchmarks/gpu_setup.sh > $R/env.txt 2>&1; cat $R/env.txt  # sourced, not piped: a pipe would run it in a subshell and lose CXX
 A=fixtures/audio
 FILES="--audio $A/speech.wav --audio $A/speech_48k_stereo.wav --audio $A/long_35s.flac --audio $A/short.wav --audio $A/silence.wav"
 timeout 240 python3 -m runner export --preset tiny --device cuda --dtype bf16 --out artifacts/tiny-cuda-bf16 > $R/tiny_export.log 2>&1 \

@@ -61,11 +61,12 @@ class ProgramEngine:
         return self._dec(embeds, pos)[0]
 
     def reset(self):
+        # Capture before any prefill: the warm-up and the capture write one cache position, wiped here.
+        if self.use_cuda_graph and self.graph is None:
+            self.graph = DecodeGraph(self)
         self.program.reset_state()
 
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        if self.graph is None and self.use_cuda_graph:
-            self.graph = DecodeGraph(self)
         if self.graph is not None:
             return self.graph.step(token, pos)
         return decode_token(self, token, pos)
@@ -99,7 +100,6 @@ class DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = run()
-        engine.reset()  # the warm-up and the capture wrote position 0 of the cache
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.token.copy_(token.view(1, 1))

@@ -190,6 +190,10 @@ def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_d
     with torch.no_grad():
         ep = _export(plan, opts)
     configs = {"aot_inductor.package_constants_in_so": False, "aot_inductor.debug_compile": opts.debug}
+    if opts.device == "cuda":
+        # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
+        # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
+        configs["aot_inductor.embed_kernel_binary"] = True
     package = torch._inductor.aoti_compile_and_package(ep, package_path=str(workdir / f"{plan.name}.pt2"),
                                                        inductor_configs=configs)
     with zipfile.ZipFile(package) as z:

@@ -24,6 +24,7 @@ nox.options.sessions = ["lint", "tests"]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 DEFAULT_BUNDLE = "artifacts/voxtral-tiny"
 GOLDEN = "fixtures/golden/tiny.json"
+BENCH_OUT = "artifacts/benchmark"
 FIXTURE_AUDIO = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
 
 
@@ -67,9 +68,20 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session
 def benchmark(session: nox.Session) -> None:
-    """Time load, each method and end-to-end generation, beside the eager model."""
+    """Time load, each method and end-to-end generation, beside the eager model.
+
+    With no --bundle, builds (or reuses, from the compile cache) the tiny CPU bundle first. Writes the v3 JSON
+    and the chart under artifacts/benchmark/ unless --json / --chart say otherwise; the table goes to stdout."""
     install(session, "bench")
-    session.run("python", "-m", "runner", "bench", *session.posargs)
+    args = list(session.posargs)
+    if not {"--bundle", "--from-json"} & set(args):
+        session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
+        args += ["--bundle", DEFAULT_BUNDLE]
+    if "--json" not in args:
+        args += ["--json", f"{BENCH_OUT}/results.json"]
+    if "--chart" not in args:
+        args += ["--chart", f"{BENCH_OUT}/latency.png"]
+    session.run("python", "-m", "runner", "bench", *args)
 
 
 @nox.session

@@ -59,6 +59,8 @@ class MethodSpec:
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> MethodSpec:
+        if not isinstance(d["library"], str) or not isinstance(d.get("weights"), (str, type(None))):
+            raise TypeError(f"method {name}: library and weights must be file names")  # used as paths and keys
         return cls(
             name=name,
             library=d["library"],
@@ -96,7 +98,7 @@ class Manifest:
     def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
             raise BundleError(f"{source}: not a JSON manifest ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise BundleError(f"{source}: not a {FORMAT_NAME} manifest")
@@ -118,7 +120,12 @@ class Manifest:
                 files={k: FileEntry(**v) for k, v in d["files"].items()},
                 created_by=d.get("created_by", "runner"),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+        ) as e:  # AttributeError: e.g. a list where a dict belongs
             raise BundleError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
@@ -133,7 +140,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 def cache_dir() -> Path:
     """The user cache: compiled `.so` files (export) and verified digests (runtime)."""
     base = os.environ.get("VOXTRAL_RUNNER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "voxtral-runner")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "voxtral-runner"
+    )
     return Path(base)
 
 

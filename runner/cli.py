@@ -23,8 +23,12 @@ FIXTURE_AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
 
 def add_export(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", type=Path, help="directory written by VoxtralForConditionalGeneration."
-                     "save_pretrained (config.json + safetensors) plus tekken.json")
+    src.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="directory written by VoxtralForConditionalGeneration."
+        "save_pretrained (config.json + safetensors) plus tekken.json",
+    )
     src.add_argument("--preset", default=None, help="tiny (the embedded default) or voxtral-mini-3b")
     p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
@@ -32,7 +36,9 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
     p.add_argument("--max-audio-chunks", type=int, default=2, help="longest audio, in 30 s chunks")
-    p.add_argument("--out", type=Path, default=None, help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>)"
+    )
     p.add_argument("--cache-dir", type=Path, default=None, help="compile cache (default ~/.cache/voxtral-runner)")
     p.add_argument("--no-check", action="store_true", help="skip the exported-vs-eager self-check")
 
@@ -58,20 +64,30 @@ def cmd_export(args: argparse.Namespace) -> int:
             model, source = random_model(name, args.seed, DTYPES[dtype], device)
             tekken = FIXTURES / "tekken.json"
         elif name == "tiny":
-            ckpt = write_tiny_checkpoint(Path(args.cache_dir or default_cache_dir()) / "checkpoints" / TINY_CHECKPOINT.name)
+            ckpt = write_tiny_checkpoint(
+                Path(args.cache_dir or default_cache_dir()) / "checkpoints" / TINY_CHECKPOINT.name
+            )
             model, source, tekken = load_checkpoint(ckpt)
         else:
             raise RunnerError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
     out = args.out or Path("artifacts") / f"voxtral-{name}-{device}-{dtype}"
-    opts = ExportOptions(device=device, dtype=dtype, max_seq_len=args.max_seq_len,
-                         max_audio_chunks=args.max_audio_chunks, debug=os.environ.get("DEBUG") == "1",
-                         cache_dir=args.cache_dir, check=not args.no_check)
+    opts = ExportOptions(
+        device=device,
+        dtype=dtype,
+        max_seq_len=args.max_seq_len,
+        max_audio_chunks=args.max_audio_chunks,
+        debug=os.environ.get("DEBUG") == "1",
+        cache_dir=args.cache_dir,
+        check=not args.no_check,
+    )
     with console.status(f"exporting {name} ({device}, {dtype})") as status:
+
         def progress(method: str, phase: str) -> None:
             if phase in ("compiling", "checking against eager"):
                 status.update(f"{method}: {phase} (AOTInductor takes minutes on a small CPU)…")
             else:
                 console.print(f"  {method:16s} {phase}")
+
         report = export_bundle(model, source, tekken, out, opts, progress=progress)
     console.print(f"bundle: {out}")
     for m, err in report.max_error.items():
@@ -95,11 +111,19 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
     p.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode steps without graph replay")
-    p.add_argument("--reference", choices=["eager"], default=None,
-                   help="also run the eager PyTorch model with the same weights and compare")
+    p.add_argument(
+        "--reference",
+        choices=["eager"],
+        default=None,
+        help="also run the eager PyTorch model with the same weights and compare",
+    )
     p.add_argument("--expect", default=None, help="fail unless every transcript contains TEXT (case-insensitive)")
-    p.add_argument("--expect-tokens", type=Path, default=None,
-                   help="golden JSON {audio file name: [token ids]}; fail on any difference")
+    p.add_argument(
+        "--expect-tokens",
+        type=Path,
+        default=None,
+        help="golden JSON {audio file name: [token ids]}; fail on any difference",
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -141,21 +165,32 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     m, c = manifest.model, manifest.model["config"]
     console = Console()
     console.print(f"[bold]{bundle}[/bold]  format v{manifest.format_version}, {manifest.created_by}")
-    console.print(f"built with torch {manifest.torch_version} for {manifest.device}"
-                  f"{' ' + manifest.gpu_arch if manifest.gpu_arch else ''}, dtype {manifest.dtype}")
+    console.print(
+        f"built with torch {manifest.torch_version} for {manifest.device}"
+        f"{' ' + manifest.gpu_arch if manifest.gpu_arch else ''}, dtype {manifest.dtype}"
+    )
     src = m.get("source", {})
-    console.print(f"model: {m.get('family')} from {src.get('kind')} {src.get('name')}"
-                  f"{' seed ' + str(src['seed']) if src.get('seed') is not None else ''}; "
-                  f"text {c['text']['n_layers']}x{c['text']['dim']} ({c['text']['n_heads']} heads, "
-                  f"{c['text']['n_kv_heads']} kv), audio {c['audio']['n_layers']}x{c['audio']['dim']}, "
-                  f"vocab {c['text']['vocab_size']}")
-    console.print(f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s "
-                  f"({m['tokens_per_chunk']} tokens per chunk)")
+    console.print(
+        f"model: {m.get('family')} from {src.get('kind')} {src.get('name')}"
+        f"{' seed ' + str(src['seed']) if src.get('seed') is not None else ''}; "
+        f"text {c['text']['n_layers']}x{c['text']['dim']} ({c['text']['n_heads']} heads, "
+        f"{c['text']['n_kv_heads']} kv), audio {c['audio']['n_layers']}x{c['audio']['dim']}, "
+        f"vocab {c['text']['vocab_size']}"
+    )
+    console.print(
+        f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s "
+        f"({m['tokens_per_chunk']} tokens per chunk)"
+    )
     console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
     methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
     for name, spec in manifest.methods.items():
-        methods.add_row(name, "\n".join(t.describe() for t in spec.inputs),
-                        "\n".join(t.describe() for t in spec.outputs), str(len(spec.state) or ""), spec.library)
+        methods.add_row(
+            name,
+            "\n".join(t.describe() for t in spec.inputs),
+            "\n".join(t.describe() for t in spec.outputs),
+            str(len(spec.state) or ""),
+            spec.library,
+        )
     console.print(methods)
     files = Table("file", "bytes", "sha256", title="files" + (" (digests verified)" if verified else ""))
     for name, f in manifest.files.items():
@@ -168,9 +203,11 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = argparse.ArgumentParser(prog="python -m runner", formatter_class=fmt,
-                                description="Voxtral on AOTInductor: export a bundle, run it, time it, inspect it, "
-                                            "or fetch one from a CI run.")
+    p = argparse.ArgumentParser(
+        prog="python -m runner",
+        formatter_class=fmt,
+        description="Voxtral on AOTInductor: export a bundle, run it, time it, inspect it, or fetch one from a CI run.",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-method detail, -vv: debug")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")

@@ -66,8 +66,17 @@ _to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
 _steal_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
 # c10::ScalarType codes as the container reports constant dtypes
-_SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-                 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+_SCALAR_TYPES = {
+    0: torch.uint8,
+    1: torch.int8,
+    3: torch.int32,
+    4: torch.int64,
+    5: torch.float16,
+    6: torch.float32,
+    7: torch.float64,
+    11: torch.bool,
+    15: torch.bfloat16,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -122,8 +131,14 @@ class AOTIBackend:
         handle = Handle(spec, path, device, lib, fns, ctypes.c_void_p(), None)
         try:
             device_str = f"cuda:{device.index or 0}" if device.type == "cuda" else device.type
-            self._call(handle, "AOTInductorModelContainerCreateWithDevice",
-                       ctypes.byref(handle.container), 1, device_str.encode(), None)
+            self._call(
+                handle,
+                "AOTInductorModelContainerCreateWithDevice",
+                ctypes.byref(handle.container),
+                1,
+                device_str.encode(),
+                None,
+            )
             if device.type == "cuda":
                 handle.stream = torch.cuda.Stream(device=device)
             n_in, n_out = _sz(), _sz()
@@ -132,7 +147,8 @@ class AOTIBackend:
             if (n_in.value, n_out.value) != (len(spec.inputs), len(spec.outputs)):
                 raise DelegateError(
                     f"{path}: method {spec.name} takes {n_in.value} inputs / {n_out.value} outputs, the manifest "
-                    f"declares {len(spec.inputs)} / {len(spec.outputs)}")
+                    f"declares {len(spec.inputs)} / {len(spec.outputs)}"
+                )
             handle.n_outputs = n_out.value
             self._bind_constants(handle, Path(bundle_dir))
         except BaseException:
@@ -172,19 +188,35 @@ class AOTIBackend:
             if want is not None and t.dtype != want:
                 raise DelegateError(f"{h.spec.name}: weight {key} is {t.dtype}, the library expects {want}")
             if t.numel() * t.element_size() != nbytes.value:
-                raise DelegateError(f"{h.spec.name}: weight {key} has shape {list(t.shape)} "
-                                    f"({t.numel() * t.element_size()} bytes), the library expects {nbytes.value} bytes")
+                raise DelegateError(
+                    f"{h.spec.name}: weight {key} has shape {list(t.shape)} "
+                    f"({t.numel() * t.element_size()} bytes), the library expects {nbytes.value} bytes"
+                )
             h.constants[key] = t.contiguous()
             names.append(name.value)
             tensors.append(h.constants[key])
         if not tensors:
             return
-        h.constant_handles = _to_handles(tensors)
+        # The container gets non-owning aliases, not our tensors: in user-managed mode it wraps each handle
+        # in a MaybeOwningAtenTensorHandle that makes its own at::Tensor (aoti_torch_new_tensor_handle) and
+        # never deletes it, even in ...Delete (torch 2.13 aoti_runtime/utils.h). Given our tensors, every
+        # weight and the KV cache stayed pinned after destroy: RSS grew by the bundle's size per load. Over
+        # an alias only a small non-owning TensorImpl leaks; the memory is ours (h.constants / h.state) and is
+        # freed in destroy, after the container that borrows it is gone.
+        h.constant_handles = _to_handles([_borrow(t) for t in tensors])
         pairs = (_ConstantEntry * len(tensors))(
-            *[_ConstantEntry(nm, _capsule_ptr(c, None)) for nm, c in zip(names, h.constant_handles)])
+            *[_ConstantEntry(nm, _capsule_ptr(c, None)) for nm, c in zip(names, h.constant_handles)]
+        )
         # user-managed: the container uses our tensors zero-copy; the KV cache is mutated in our buffer
-        self._call(h, "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs",
-                   h.container, ctypes.cast(pairs, _vp), len(tensors), False, True)
+        self._call(
+            h,
+            "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs",
+            h.container,
+            ctypes.cast(pairs, _vp),
+            len(tensors),
+            False,
+            True,
+        )
 
     def execute(self, h: Handle, inputs: list[torch.Tensor], *, graph_safe: bool = False) -> list[torch.Tensor]:
         """Run the method. `graph_safe` runs on the caller's current stream through `...RunSingleThreaded`,
@@ -193,8 +225,17 @@ class AOTIBackend:
         if not h.alive:
             raise DelegateError(f"{h.spec.name}: execute on a destroyed handle")
         if len(inputs) != len(h.spec.inputs):
-            raise DelegateError(f"{h.spec.name}: expected {len(h.spec.inputs)} inputs, got {len(inputs)}")
-        bound = [h.cache.bind(i, t, lambda t, i=i: self._build_binding(h, i, t)).tensor for i, t in enumerate(inputs)]
+            raise DelegateError(
+                f"{h.spec.name}: expected {len(h.spec.inputs)} inputs "
+                f"({'; '.join(x.describe() for x in h.spec.inputs)}), got {len(inputs)}"
+            )
+        bound = []
+        for i, t in enumerate(inputs):
+            b = h.cache.bind(i, t, lambda t, i=i: self._build_binding(h, i, t))
+            # A binding holds a contiguous input itself (same memory as `t` whenever the metadata matches).
+            # A non-contiguous input is copied on every call: a copy cached with the binding would hand the
+            # container stale data when the caller writes new values into the same view.
+            bound.append(b.tensor if b.tensor is not None else t.contiguous())
         in_caps = _to_handles(bound)
         in_arr = (_vp * len(bound))(*[_capsule_ptr(c, None) for c in in_caps])
         out_arr = (_vp * h.n_outputs)()
@@ -202,19 +243,38 @@ class AOTIBackend:
             if "AOTInductorModelContainerRunSingleThreaded" not in h.fns:
                 raise DelegateError(f"{h.path}: no AOTInductorModelContainerRunSingleThreaded; cannot graph-capture")
             stream = torch.cuda.current_stream(h.device).cuda_stream if h.device.type == "cuda" else None
-            self._call(h, "AOTInductorModelContainerRunSingleThreaded", h.container, in_arr, len(bound), out_arr,
-                       h.n_outputs, ctypes.c_void_p(stream), None)
+            self._call(
+                h,
+                "AOTInductorModelContainerRunSingleThreaded",
+                h.container,
+                in_arr,
+                len(bound),
+                out_arr,
+                h.n_outputs,
+                ctypes.c_void_p(stream),
+                None,
+            )
             return _steal_handles([_capsule_new(out_arr[i], None, None) for i in range(h.n_outputs)])
         if h.stream is not None:
             caller = torch.cuda.current_stream(h.device)
             h.stream.wait_stream(caller)
             with torch.cuda.stream(h.stream):
-                self._call(h, "AOTInductorModelContainerRun", h.container, in_arr, len(bound), out_arr,
-                           h.n_outputs, ctypes.c_void_p(h.stream.cuda_stream), None)
+                self._call(
+                    h,
+                    "AOTInductorModelContainerRun",
+                    h.container,
+                    in_arr,
+                    len(bound),
+                    out_arr,
+                    h.n_outputs,
+                    ctypes.c_void_p(h.stream.cuda_stream),
+                    None,
+                )
             caller.wait_stream(h.stream)
         else:
-            self._call(h, "AOTInductorModelContainerRun", h.container, in_arr, len(bound), out_arr, h.n_outputs,
-                       None, None)
+            self._call(
+                h, "AOTInductorModelContainerRun", h.container, in_arr, len(bound), out_arr, h.n_outputs, None, None
+            )
         outputs = _steal_handles([_capsule_new(out_arr[i], None, None) for i in range(h.n_outputs)])
         if h.stream is not None:
             for o in outputs:
@@ -223,7 +283,7 @@ class AOTIBackend:
 
     def _build_binding(self, h: Handle, slot: int, t: torch.Tensor) -> Binding:
         check_tensor(h.spec.name, h.spec.inputs[slot], t, h.device)
-        return Binding(TensorMeta.of(t), t if t.is_contiguous() else t.contiguous())
+        return Binding(TensorMeta.of(t), t if t.is_contiguous() else None)
 
     def reset_state(self, h: Handle) -> None:
         for t in h.state.values():
@@ -260,6 +320,14 @@ class AOTIBackend:
                 h.fns["AOTInductorGetLastError"](ctypes.byref(msg))
                 detail = f": {msg.value.decode(errors='replace')}" if msg.value else ""
             raise DelegateError(f"{h.spec.name}: {sym} failed (code {err}){detail}")
+
+
+def _borrow(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory that does not own it (no deleter; as torch's cudagraph_trees makes them).
+    The caller keeps `t` alive for as long as the alias is used."""
+    nbytes = t.numel() * t.element_size()
+    storage = torch._C._construct_storage_from_data_pointer(t.data_ptr(), t.device, nbytes)
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
 
 
 def check_tensor(method: str, spec: TensorSpec, t: torch.Tensor, device: torch.device) -> None:

@@ -44,7 +44,9 @@ class ProgramEngine:
         self.program, self.device = program, program.device
         self.max_seq_len, self.max_audio_chunks = model["max_seq_len"], model["max_audio_chunks"]
         self.encoder_dtype = m["audio_encoder"].input_dtype(0)  # what the encoder declares, e.g. bf16 on CUDA
-        self._pre, self._enc, self._emb, self._dec = (m[k] for k in ("preprocessor", "audio_encoder", "token_embedding", "text_decoder"))
+        self._pre, self._enc, self._emb, self._dec = (
+            m[k] for k in ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+        )
         self.use_cuda_graph = cuda_graph and self.device == "cuda"
         self.graph: DecodeGraph | None = None
 
@@ -91,7 +93,8 @@ class DecodeGraph:
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
         emb, dec = engine._emb, engine._dec
         run = lambda: dec.backend.execute(  # noqa: E731
-            dec.handle, [emb.backend.execute(emb.handle, [self.token], graph_safe=True)[0], self.pos], graph_safe=True)[0]
+            dec.handle, [emb.backend.execute(emb.handle, [self.token], graph_safe=True)[0], self.pos], graph_safe=True
+        )[0]
         side = torch.cuda.Stream(device=engine.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside capture (lazy init, workspace allocation)
@@ -147,8 +150,11 @@ def chat_prompt(tok: Tekken, audio: np.ndarray, prompt: str) -> list[Segment]:
     """The seed's runner: <s>[INST][BEGIN_AUDIO] + audio + {prompt}[/INST]. The prompt is plain text: a
     "[INST]" typed by a user stays text, never a control token."""
     s = tok.special_id
-    return [TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))), AudioSegment(audio),
-            TextSegment(tuple(tok.encode(prompt)) + (s("[/INST]"),))]
+    return [
+        TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))),
+        AudioSegment(audio),
+        TextSegment(tuple(tok.encode(prompt)) + (s("[/INST]"),)),
+    ]
 
 
 # ---------------------------------------------------------------- generation
@@ -225,14 +231,22 @@ class MultimodalRunner:
                 prompt_ids += [self.audio_id] * embeds.shape[1]
             n = embeds.shape[1]
             if pos + n > e.max_seq_len:
-                raise GenerationError(f"the prompt needs {pos + n} positions, the bundle's context is "
-                                      f"{e.max_seq_len} (--max-seq-len at export)")
+                raise GenerationError(
+                    f"the prompt needs {pos + n} positions, the bundle's context is "
+                    f"{e.max_seq_len} (--max-seq-len at export)"
+                )
             logits = e.decode(embeds, self._positions(pos, n))
             pos += n
         return logits, prompt_ids
 
-    def generate(self, segments: list[Segment], opts: GenerationOptions, on_text: Callable[[str], None] | None = None,
-                 stats: Stats | None = None, forced: list[int] | None = None) -> GenerationResult:
+    def generate(
+        self,
+        segments: list[Segment],
+        opts: GenerationOptions,
+        on_text: Callable[[str], None] | None = None,
+        stats: Stats | None = None,
+        forced: list[int] | None = None,
+    ) -> GenerationResult:
         """`forced` feeds the given tokens instead of sampling (teacher forcing, for the eager comparison)."""
         e, stats = self.engine, stats or Stats()
         stats.audio_seconds = sum(len(s.samples) for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
@@ -283,4 +297,3 @@ class MultimodalRunner:
     def prompt_for(self, audio_path: str | os.PathLike, prompt: str | None, language: str | None) -> list[Segment]:
         samples = load_audio(audio_path)
         return chat_prompt(self.tok, samples, prompt) if prompt else transcription_prompt(self.tok, samples, language)
-

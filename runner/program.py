@@ -38,8 +38,10 @@ def check_compatible(manifest: Manifest, bundle_dir: Path, device: str) -> None:
     built = manifest.torch_version.split("+")[0]
     here = torch.__version__.split("+")[0]
     if built != here:
-        raise BundleError(f"{bundle_dir}: built with torch {manifest.torch_version}, this is torch "
-                          f"{torch.__version__}; re-export the bundle with this torch")
+        raise BundleError(
+            f"{bundle_dir}: built with torch {manifest.torch_version}, this is torch "
+            f"{torch.__version__}; re-export the bundle with this torch"
+        )
     if manifest.device != device:
         raise BundleError(f"{bundle_dir}: built for {manifest.device}, asked to run on {device}")
     if device == "cuda":

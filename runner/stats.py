@@ -64,8 +64,12 @@ class Stats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["SCALING_FACTOR_UNITS_PER_SECOND"] = SCALING_FACTOR_UNITS_PER_SECOND
-        d.update(ttft_ms=self.ttft_ms, prefill_tokens_per_s=self.prefill_tokens_per_s,
-                 decode_tokens_per_s=self.decode_tokens_per_s, real_time_factor=self.real_time_factor)
+        d.update(
+            ttft_ms=self.ttft_ms,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            real_time_factor=self.real_time_factor,
+        )
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
 
     def observer_line(self) -> str:
@@ -85,9 +89,11 @@ class Stats:
         if self.audio_seconds:
             lines.append(f"Audio: {self.audio_seconds:.2f} s, real-time factor {self.real_time_factor:.3f}")
         if self.gpu_peak_usage_mb >= 0:
-            lines.append(f"GPU memory: peak {self.gpu_peak_usage_mb:.1f} MiB, total {self.gpu_total_bytes / 2**20:.0f} MiB, "
-                         f"free before/after load {self.gpu_free_before_load_bytes / 2**20:.0f}/"
-                         f"{self.gpu_free_after_load_bytes / 2**20:.0f} MiB")
+            lines.append(
+                f"GPU memory: peak {self.gpu_peak_usage_mb:.1f} MiB, total {self.gpu_total_bytes / 2**20:.0f} MiB, "
+                f"free before/after load {self.gpu_free_before_load_bytes / 2**20:.0f}/"
+                f"{self.gpu_free_after_load_bytes / 2**20:.0f} MiB"
+            )
         else:
             lines.append(f"Peak RSS: {self.peak_rss_mb:.1f} MiB")
         return lines

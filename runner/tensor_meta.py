@@ -37,7 +37,7 @@ class TensorMeta:
 @dataclass(slots=True)
 class Binding:
     meta: TensorMeta
-    tensor: torch.Tensor  # the tensor handed to the container for this metadata
+    tensor: torch.Tensor | None  # the tensor handed to the container for this metadata (None: copy per call)
     extra: Any = None  # derived work a caller may attach (e.g. a CUDA graph for these shapes)
 
 

@@ -34,8 +34,13 @@ class ReferenceReport:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def compare_with_reference(reference: MultimodalRunner, segments: list[Segment], ours: GenerationResult,
-                           opts: GenerationOptions, dtype: torch.dtype) -> ReferenceReport:
+def compare_with_reference(
+    reference: MultimodalRunner,
+    segments: list[Segment],
+    ours: GenerationResult,
+    opts: GenerationOptions,
+    dtype: torch.dtype,
+) -> ReferenceReport:
     forced = GenerationOptions(max_new_tokens=len(ours.tokens), record_logits=True)
     ref = reference.generate(segments, forced, forced=ours.tokens)
     first, err, scale, tie = None, 0.0, 0.0, False
@@ -56,9 +61,14 @@ def compare_with_reference(reference: MultimodalRunner, segments: list[Segment],
 def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
     tok = Tekken.from_file(program.bundle_dir / program.manifest.model["tokenizer"])
     runner = MultimodalRunner(ProgramEngine(program, cuda_graph=not args.no_cuda_graph), tok)
-    opts = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                             seed=args.seed, min_new_tokens=args.min_new_tokens,
-                             record_logits=args.reference is not None)
+    opts = GenerationOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        min_new_tokens=args.min_new_tokens,
+        record_logits=args.reference is not None,
+    )
     reference = None
     if args.reference == "eager":
         from runner.export.eager import EagerEngine  # the eager model lives above the runtime; import lazily
@@ -82,16 +92,28 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
         result = runner.generate(segments, opts, on_text=stream, stats=stats)
         text_out.write("\n")
         if result.stop_reason == "context":
-            print(f"note: {path}: stopped at the end of the context ({program.manifest.model['max_seq_len']} "
-                  "tokens); export with a larger --max-seq-len for longer output", file=sys.stderr)
-        record = {"audio": str(path), "text": result.text, "prompt_ids": result.prompt_ids, "tokens": result.tokens,
-                  "stop_reason": result.stop_reason, "stats": stats.to_dict()}
+            print(
+                f"note: {path}: stopped at the end of the context ({program.manifest.model['max_seq_len']} "
+                "tokens); export with a larger --max-seq-len for longer output",
+                file=sys.stderr,
+            )
+        record = {
+            "audio": str(path),
+            "text": result.text,
+            "prompt_ids": result.prompt_ids,
+            "tokens": result.tokens,
+            "stop_reason": result.stop_reason,
+            "stats": stats.to_dict(),
+        }
         if reference is not None:
             rep = compare_with_reference(reference, segments, result, opts, dtype)
             record["reference"] = rep.to_dict()
-            print(f"eager reference: {'match' if rep.first_divergence is None else f'first divergence at token {rep.first_divergence}'}"
-                  f", max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
-                  f"{', near tie' if rep.near_tie else ''}", file=sys.stderr)
+            print(
+                f"eager reference: {'match' if rep.first_divergence is None else f'first divergence at token {rep.first_divergence}'}"
+                f", max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
+                f"{', near tie' if rep.near_tie else ''}",
+                file=sys.stderr,
+            )
             if not rep.ok:
                 failures.append(f"{path}: tokens differ from the eager reference at token {rep.first_divergence}")
         if args.expect and args.expect.lower() not in result.text.lower():
@@ -101,7 +123,10 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
             if want is None:
                 failures.append(f"{args.expect_tokens}: no golden tokens for {Path(path).name}")
             elif want != result.tokens:
-                diff = next((i for i, (a, b) in enumerate(zip(want, result.tokens)) if a != b), min(len(want), len(result.tokens)))
+                diff = next(
+                    (i for i, (a, b) in enumerate(zip(want, result.tokens)) if a != b),
+                    min(len(want), len(result.tokens)),
+                )
                 failures.append(f"{path}: tokens differ from {args.expect_tokens.name} at index {diff}")
         print(stats.observer_line(), file=sys.stderr)
         for line in stats.human_lines():
@@ -128,7 +153,9 @@ def _read_golden(path: Path, program: Program) -> dict[str, list[int]] | None:
     m = program.manifest
     kind = f"{m.device}-{m.dtype}"
     if digest != m.model["source"]["weights_digest"] or kind not in by_kind:
-        print(f"note: {path} holds no golden tokens for this model on {kind}; checking against --reference only",
-              file=sys.stderr)
+        print(
+            f"note: {path} holds no golden tokens for this model on {kind}; checking against --reference only",
+            file=sys.stderr,
+        )
         return None
     return {k: list(v) for k, v in by_kind[kind].items()}

@@ -19,9 +19,17 @@ AUDIO = FIXTURES / "audio"
 # bundle from it proves nothing is hard-coded to the presets.
 OTHER_HF_CONFIG = {
     "audio_config": {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4},
-    "text_config": {"vocab_size": 1024, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
-                    "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "rope_theta": 5e5,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+    "text_config": {
+        "vocab_size": 1024,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "head_dim": 8,
+        "rope_theta": 5e5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+    },
     "audio_token_id": 24,
 }
 
@@ -60,5 +68,6 @@ def other_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def other_bundle(other_checkpoint, tmp_path_factory) -> Path:
-    return export_cached(other_checkpoint, tmp_path_factory.mktemp("bundles") / "other",
-                         max_audio_chunks=1, max_seq_len=512)
+    return export_cached(
+        other_checkpoint, tmp_path_factory.mktemp("bundles") / "other", max_audio_chunks=1, max_seq_len=512
+    )

@@ -51,7 +51,7 @@ class ModelSource:
 def _normalise_key(k: str) -> str:
     for old, new in _KEY_PREFIXES:
         if k.startswith(old):
-            return new + k[len(old):]
+            return new + k[len(old) :]
     return k
 
 
@@ -104,21 +104,30 @@ def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str) -> N
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(f"{k} {list(state[k].shape)} (want {list(expected[k].shape)})"
-                   for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    problems = [f"{label}: {', '.join(keys[:8])}{' …' if len(keys) > 8 else ''} ({len(keys)})"
-                for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+    wrong = sorted(
+        f"{k} {list(state[k].shape)} (want {list(expected[k].shape)})"
+        for k in set(state) & set(expected)
+        if state[k].shape != expected[k].shape
+    )
+    problems = [
+        f"{label}: {', '.join(keys[:8])}{' …' if len(keys) > 8 else ''} ({len(keys)})"
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+        if keys
+    ]
     if problems:
         raise ExportError(f"{source}: checkpoint does not match the config — " + "; ".join(problems))
     model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
 
 
-def random_model(preset_name: str, seed: int, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu") -> tuple[Voxtral, ModelSource]:
+def random_model(
+    preset_name: str, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[Voxtral, ModelSource]:
     """A preset with seeded random weights, initialised directly on `device` in `dtype` (a 3B model built
     in fp32 on the host first would cost minutes and 19 GB). The device's generator is part of the identity."""
     config = preset(preset_name)
-    digest = hashlib.sha256(json.dumps([config.to_dict(), seed, device, str(dtype)], sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(
+        json.dumps([config.to_dict(), seed, device, str(dtype)], sort_keys=True).encode()
+    ).hexdigest()
     with torch.device("meta"):
         model = Voxtral(config)
     model = model.to_empty(device=device).to(dtype).init_weights(seed)

@@ -48,8 +48,15 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Per-dtype tolerance of the exported-vs-eager self-check, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-SPECIAL_TOKENS = {"bos": "<s>", "eos": "</s>", "inst": "[INST]", "inst_end": "[/INST]", "audio": "[AUDIO]",
-                  "begin_audio": "[BEGIN_AUDIO]", "transcribe": "[TRANSCRIBE]"}
+SPECIAL_TOKENS = {
+    "bos": "<s>",
+    "eos": "</s>",
+    "inst": "[INST]",
+    "inst_end": "[/INST]",
+    "audio": "[AUDIO]",
+    "begin_audio": "[BEGIN_AUDIO]",
+    "transcribe": "[TRANSCRIBE]",
+}
 SOURCE_FILES = ("export/model.py", "export/exporter.py", "export/mel.py", "export/config.py", "audio.py")
 
 
@@ -124,33 +131,74 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else Dim.STATIC), Dim("seq", min=1, max=S)
     mel_dims = [_dim(1, K), c.audio.n_mels, 3000]
     decoder = model.decoder()
-    state = {f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec([1, c.text.n_kv_heads, S, c.text.head_dim], _dtype_name(dtype))
-             for i in range(c.text.n_layers) for kv in ("k_cache", "v_cache")}
+    state = {
+        f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec([1, c.text.n_kv_heads, S, c.text.head_dim], _dtype_name(dtype))
+        for i in range(c.text.n_layers)
+        for kv in ("k_cache", "v_cache")
+    }
 
     def spec(name, inputs, outputs, state=None):
-        return MethodSpec(name, f"{name}.so", f"{name}.safetensors",
-                          [TensorSpec(*x) for x in inputs], [TensorSpec(*x) for x in outputs], state or {})
+        return MethodSpec(
+            name,
+            f"{name}.so",
+            f"{name}.safetensors",
+            [TensorSpec(*x) for x in inputs],
+            [TensorSpec(*x) for x in outputs],
+            state or {},
+        )
 
     small = min(2, K)
     return [
-        MethodPlan("preprocessor", LogMelSpectrogram(c.audio.n_mels).to(dev), (), None,
-                   spec("preprocessor", [("waveform", "float32", [_dim(N_SAMPLES, K * N_SAMPLES, N_SAMPLES)])],
-                        [("mel", "float32", [_dim(1, K), c.audio.n_mels, 3000])]),
-                   [(wave(1),), (wave(small),)]),
-        MethodPlan("audio_encoder", AudioEncoderMethod(model), (mel(min(2, K)),), ({0: chunks},),
-                   spec("audio_encoder", [("mel", _dtype_name(dtype), mel_dims)],
-                        [("audio_embeds", _dtype_name(dtype), [1, _dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), H])]),
-                   [(mel(small),), (mel(1),)]),
-        MethodPlan("token_embedding", TokenEmbeddingMethod(model), (ids(3),), ({1: seq},),
-                   spec("token_embedding", [("ids", "int64", [1, _dim(1, S)])],
-                        [("embeds", _dtype_name(dtype), [1, _dim(1, S), H])]),
-                   [(ids(5),), (ids(1),)]),
-        MethodPlan("text_decoder", decoder, (emb(3), torch.arange(3, device=dev)), ({1: seq}, {0: seq}),
-                   spec("text_decoder", [("embeds", _dtype_name(dtype), [1, _dim(1, S), H]),
-                                         ("cache_position", "int64", [_dim(1, S)])],
-                        [("logits", "float32", [1, c.text.vocab_size])], state),
-                   # prefill then one decode step: the second call only matches if the KV cache was mutated
-                   [(emb(7), torch.arange(7, device=dev)), (emb(1), torch.tensor([7], device=dev))]),
+        MethodPlan(
+            "preprocessor",
+            LogMelSpectrogram(c.audio.n_mels).to(dev),
+            (),
+            None,
+            spec(
+                "preprocessor",
+                [("waveform", "float32", [_dim(N_SAMPLES, K * N_SAMPLES, N_SAMPLES)])],
+                [("mel", "float32", [_dim(1, K), c.audio.n_mels, 3000])],
+            ),
+            [(wave(1),), (wave(small),)],
+        ),
+        MethodPlan(
+            "audio_encoder",
+            AudioEncoderMethod(model),
+            (mel(min(2, K)),),
+            ({0: chunks},),
+            spec(
+                "audio_encoder",
+                [("mel", _dtype_name(dtype), mel_dims)],
+                [("audio_embeds", _dtype_name(dtype), [1, _dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), H])],
+            ),
+            [(mel(small),), (mel(1),)],
+        ),
+        MethodPlan(
+            "token_embedding",
+            TokenEmbeddingMethod(model),
+            (ids(3),),
+            ({1: seq},),
+            spec(
+                "token_embedding",
+                [("ids", "int64", [1, _dim(1, S)])],
+                [("embeds", _dtype_name(dtype), [1, _dim(1, S), H])],
+            ),
+            [(ids(5),), (ids(1),)],
+        ),
+        MethodPlan(
+            "text_decoder",
+            decoder,
+            (emb(3), torch.arange(3, device=dev)),
+            ({1: seq}, {0: seq}),
+            spec(
+                "text_decoder",
+                [("embeds", _dtype_name(dtype), [1, _dim(1, S), H]), ("cache_position", "int64", [_dim(1, S)])],
+                [("logits", "float32", [1, c.text.vocab_size])],
+                state,
+            ),
+            # prefill then one decode step: the second call only matches if the KV cache was mutated
+            [(emb(7), torch.arange(7, device=dev)), (emb(1), torch.tensor([7], device=dev))],
+        ),
     ]
 
 
@@ -166,12 +214,22 @@ def source_digest() -> str:
 
 
 def cache_key(model: Voxtral, source: ModelSource, opts: ExportOptions, method: str) -> str:
-    blob = json.dumps({
-        "config": model.config.to_dict(), "weights": source.weights_digest, "dtype": opts.dtype,
-        "device": opts.device, "torch": torch.__version__, "max_seq_len": opts.max_seq_len,
-        "max_audio_chunks": opts.max_audio_chunks, "source": source_digest(), "method": method,
-        "debug": opts.debug, "format": FORMAT_VERSION,
-    }, sort_keys=True)
+    blob = json.dumps(
+        {
+            "config": model.config.to_dict(),
+            "weights": source.weights_digest,
+            "dtype": opts.dtype,
+            "device": opts.device,
+            "torch": torch.__version__,
+            "max_seq_len": opts.max_seq_len,
+            "max_audio_chunks": opts.max_audio_chunks,
+            "source": source_digest(),
+            "method": method,
+            "debug": opts.debug,
+            "format": FORMAT_VERSION,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -194,8 +252,9 @@ def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_d
         # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
         # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
         configs["aot_inductor.embed_kernel_binary"] = True
-    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(workdir / f"{plan.name}.pt2"),
-                                                       inductor_configs=configs)
+    package = torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(workdir / f"{plan.name}.pt2"), inductor_configs=configs
+    )
     with zipfile.ZipFile(package) as z:
         libs = [n for n in z.namelist() if n.endswith(".so")]
         if len(libs) != 1:
@@ -221,8 +280,9 @@ def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- the whole export
 
 
-def export_bundle(model: Voxtral, source: ModelSource, tekken_path: Path, out: Path, opts: ExportOptions,
-                  progress=None) -> ExportReport:
+def export_bundle(
+    model: Voxtral, source: ModelSource, tekken_path: Path, out: Path, opts: ExportOptions, progress=None
+) -> ExportReport:
     """Build the bundle into `out` (replaced atomically). `progress(method, phase)` is told what runs."""
     from runner.program import Program  # runtime code; the exporter may use it, never the other way round
 
@@ -231,14 +291,20 @@ def export_bundle(model: Voxtral, source: ModelSource, tekken_path: Path, out: P
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda: no CUDA device visible to torch")
     if opts.max_audio_chunks * TOKENS_PER_CHUNK + 16 > opts.max_seq_len:
-        raise ExportError(f"--max-seq-len {opts.max_seq_len} cannot hold {opts.max_audio_chunks} audio chunks "
-                          f"({opts.max_audio_chunks * TOKENS_PER_CHUNK} tokens) plus a prompt")
+        raise ExportError(
+            f"--max-seq-len {opts.max_seq_len} cannot hold {opts.max_audio_chunks} audio chunks "
+            f"({opts.max_audio_chunks * TOKENS_PER_CHUNK} tokens) plus a prompt"
+        )
     tok = Tekken.from_file(tekken_path)
     special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
     if special["audio"] != model.config.audio_token_id:
-        raise ExportError(f"{tekken_path}: [AUDIO] is id {special['audio']}, config.json says {model.config.audio_token_id}")
+        raise ExportError(
+            f"{tekken_path}: [AUDIO] is id {special['audio']}, config.json says {model.config.audio_token_id}"
+        )
     if tok.vocab_size > model.config.text.vocab_size:
-        raise ExportError(f"{tekken_path}: {tok.vocab_size} tokens do not fit the model's vocab ({model.config.text.vocab_size})")
+        raise ExportError(
+            f"{tekken_path}: {tok.vocab_size} tokens do not fit the model's vocab ({model.config.text.vocab_size})"
+        )
 
     model = model.to(device=opts.device, dtype=dtype).eval()
     model.setup_caches(opts.max_seq_len, dtype)
@@ -270,7 +336,10 @@ def export_bundle(model: Voxtral, source: ModelSource, tekken_path: Path, out: P
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             save_file({k: v.cpu() for k, v in method_weights(plan).items()}, str(stage / plan.spec.weights))
             if progress:
-                progress(plan.name, "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s")
+                progress(
+                    plan.name,
+                    "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s",
+                )
         shutil.copyfile(tekken_path, stage / "tekken.json")
 
         files = sorted(p.name for p in stage.iterdir() if p.is_file())
@@ -322,15 +391,18 @@ def self_check(program, plan: MethodPlan, model: Voxtral, dtype: torch.dtype) ->
             want = plan.module(*inputs)
             got = method(*inputs)[0]
             if got.shape != want.shape or got.dtype != want.dtype:
-                raise ExportError(f"{plan.name}: exported output {got.dtype}{list(got.shape)} "
-                                  f"!= eager {want.dtype}{list(want.shape)}")
+                raise ExportError(
+                    f"{plan.name}: exported output {got.dtype}{list(got.shape)} != eager {want.dtype}{list(want.shape)}"
+                )
             scale = want.float().abs().max().item() or 1.0
             err = (got.float() - want.float()).abs().max().item() / scale
             worst = max(worst, err)
             if not err <= TOLERANCE[dtype]:
-                raise ExportError(f"{plan.name}: exported output differs from eager: max relative error "
-                                  f"{err:.3g} > {TOLERANCE[dtype]:g} for input shapes "
-                                  f"{[list(x.shape) for x in inputs]}")
+                raise ExportError(
+                    f"{plan.name}: exported output differs from eager: max relative error "
+                    f"{err:.3g} > {TOLERANCE[dtype]:g} for input shapes "
+                    f"{[list(x.shape) for x in inputs]}"
+                )
     model.reset_caches()
     return worst
 

@@ -28,7 +28,10 @@ class EncoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape  # x: [chunks, 1500, d]
-        q, k, v = (p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v)  # bidirectional: each 30 s chunk attends to itself
         return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
 

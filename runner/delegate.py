@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from runner.bundle import MethodSpec, TensorSpec, safe_member
+from runner.bundle import MethodSpec, TensorSpec, safe_member, sha256_file
 from runner.errors import DelegateError
 from runner.tensor_meta import Binding, MetaCache, TensorMeta
 
@@ -106,12 +106,32 @@ class Handle:
         return self.lib is not None
 
 
+# The sha256 of every library file this process has loaded, by resolved path. Not a symbol table: it exists
+# because glibc matches dlopen by path name and hands back the library already mapped under that name, and an
+# AOTI library stays mapped for the life of the process once a thread has created or run a container from it
+# (AOTI's thread_local destructors pin it). A bundle re-exported in place would silently run the old code;
+# that case is refused instead.
+_LOADED_FILES: dict[str, str] = {}
+
+
+def _check_not_stale(path: Path) -> None:
+    key, digest = str(path.resolve()), sha256_file(path)  # a .so is small: hashing costs milliseconds
+    if _LOADED_FILES.setdefault(key, digest) != digest:
+        raise DelegateError(
+            f"{path}: this process already loaded a different build from this path, and glibc would hand back "
+            "that old library; load the new bundle from another directory or in a new process"
+        )
+
+
 class AOTIBackend:
     """Stateless: all state is in the handles it returns."""
 
     def init(self, spec: MethodSpec, bundle_dir: Path, device: str | torch.device) -> Handle:
         device = torch.device(device)
         path = safe_member(Path(bundle_dir), spec.library)
+        if not path.is_file():
+            raise DelegateError(f"{path}: missing")
+        _check_not_stale(path)
         try:
             lib = ctypes.CDLL(str(path.resolve()), mode=os.RTLD_LOCAL | os.RTLD_NOW)
         except OSError as e:
@@ -290,9 +310,12 @@ class AOTIBackend:
             t.zero_()
 
     def destroy(self, h: Handle) -> None:
-        """Delete the container, release the stream, free the constant handles, unload the library.
+        """Delete the container, release the stream, free the constant handles, dlclose the library.
         Idempotent. Order matters: the container borrows our constants and runs on our stream, so it goes
-        first; the library goes last because Delete is its code."""
+        first; the library goes last because Delete is its code. glibc unmaps the library at once if no thread
+        has created or run a container from it. A thread that has registers AOTI's thread_local destructors, and
+        glibc then keeps the library mapped for the life of the process; loading the same file again reuses
+        that mapping, so repeated loads do not grow (tests/test_delegate.py measures it)."""
         if h.lib is None:
             return
         if h.stream is not None:

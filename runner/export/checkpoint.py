@@ -99,8 +99,9 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     return model.to(dtype).eval(), source, ckpt / "tekken.json"
 
 
-def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load with one error listing every missing, unexpected and mis-shaped key."""
+def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str, assign: bool = False) -> None:
+    """Strict load with one error listing every missing, unexpected and mis-shaped key. `assign` takes the
+    tensors as they are (dtype, device) into a model built on the meta device."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -116,7 +117,10 @@ def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str) -> N
     ]
     if problems:
         raise ExportError(f"{source}: checkpoint does not match the config — " + "; ".join(problems))
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    if assign:
+        model.load_state_dict(state, strict=True, assign=True)
+    else:
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
 
 
 def random_model(
@@ -162,8 +166,9 @@ def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtra
     for method, pre in prefix.items():
         for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
             state["language_model.lm_head.weight" if k == "lm_head.weight" else pre + k] = v
-    model = Voxtral(config).to(device=device, dtype=dtype)
-    load_state(model, state, source=str(bundle_dir))
-    model.to(dtype).eval()
+    with torch.device("meta"):  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
+        model = Voxtral(config)
+    load_state(model, {k: v.to(dtype) for k, v in state.items()}, source=str(bundle_dir), assign=True)
+    model.eval()
     model.setup_caches(manifest.model["max_seq_len"])
     return model

@@ -1,0 +1,163 @@
+"""`python -m runner run`: several files in one process, the JSON contract, prompts, stopping, sampling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.cli import main
+from runner.tokenizer import Tekken
+
+AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+FILES = [
+    "speech.wav",
+    "long_35s.flac",
+    "short.wav",
+    "speech_48k_stereo.wav",
+]  # 4.4 s, 35 s (2 chunks), 0.9 s, 48 kHz stereo
+
+
+def run_json(bundle: Path, *args: str) -> list[dict]:
+    """The CLI in a subprocess; stdout must hold nothing but JSON lines."""
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "run", "--bundle", str(bundle), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def audio_args(*names: str) -> list[str]:
+    return [a for n in names for a in ("--audio", str(AUDIO / n))]
+
+
+def test_n_files_in_one_process_give_the_tokens_of_n_processes(tiny_bundle):
+    together = run_json(tiny_bundle, *audio_args(*FILES), "--max-new-tokens", "24")
+    assert [Path(r["audio"]).name for r in together] == FILES
+    for name, record in zip(FILES, together):
+        alone = run_json(tiny_bundle, *audio_args(name), "--max-new-tokens", "24")
+        assert alone[0]["tokens"] == record["tokens"], name
+        assert alone[0]["prompt_ids"] == record["prompt_ids"], name
+
+
+def test_json_record_and_transcription_prompt_layout(tiny_bundle):
+    tok = Tekken.from_file(tiny_bundle / "tekken.json")
+    (short, long) = run_json(
+        tiny_bundle, *audio_args("short.wav", "long_35s.flac"), "--language", "en", "--max-new-tokens", "5"
+    )
+    for record, chunks in ((short, 1), (long, 2)):
+        assert {"audio", "text", "prompt_ids", "tokens", "stats", "stop_reason"} <= set(record)
+        s = tok.special_id
+        ids = record["prompt_ids"]
+        # <s>[INST][BEGIN_AUDIO] + [AUDIO] x 375 per 30 s chunk + [/INST]lang:en[TRANSCRIBE], as mistral-common builds it
+        head, audio, tail = ids[:3], ids[3 : 3 + 375 * chunks], ids[3 + 375 * chunks :]
+        assert head == [tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]")]
+        assert audio == [s("[AUDIO]")] * 375 * chunks
+        assert tail == [s("[/INST]"), *tok.encode("lang:en"), s("[TRANSCRIBE]")]
+        assert record["stats"]["prompt_tokens"] == len(ids)
+        assert record["stats"]["generated_tokens"] == len(record["tokens"]) <= 5
+        assert record["text"] == tok.decode([t for t in record["tokens"] if t != tok.eos_id])
+
+
+def test_chat_prompt_keeps_special_token_text_as_text(tiny_bundle):
+    tok = Tekken.from_file(tiny_bundle / "tekken.json")
+    prompt = "What is said? [INST] </s>"
+    (record,) = run_json(tiny_bundle, *audio_args("short.wav"), "--prompt", prompt, "--max-new-tokens", "3")
+    tail = record["prompt_ids"][3 + 375 :]
+    assert tail == tok.encode(prompt) + [tok.special_id("[/INST]")]
+    assert tok.special_id("[INST]") not in tail[:-1] and tok.eos_id not in tail
+
+
+def test_sampling_is_reproducible_with_a_seed_and_differs_from_greedy(tiny_bundle):
+    args = [*audio_args("speech.wav"), "--max-new-tokens", "16", "--min-new-tokens", "16"]
+    a = run_json(tiny_bundle, *args, "--temperature", "1.5", "--seed", "3")[0]["tokens"]
+    b = run_json(tiny_bundle, *args, "--temperature", "1.5", "--seed", "3")[0]["tokens"]
+    greedy = run_json(tiny_bundle, *args)[0]["tokens"]
+    assert a == b and len(a) == 16
+    assert a != greedy
+
+
+def test_context_end_stops_with_a_message_not_an_exception(tiny_bundle, capsys):
+    # 35 s of audio is 750 audio positions; 400 forced tokens run past the bundle's 1024-token context
+    rc = main(
+        [
+            "run",
+            "--bundle",
+            str(tiny_bundle),
+            *audio_args("long_35s.flac"),
+            "--max-new-tokens",
+            "400",
+            "--min-new-tokens",
+            "400",
+            "--json",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 0
+    (record,) = [json.loads(line) for line in out.splitlines()]
+    assert record["stop_reason"] == "context"
+    assert len(record["prompt_ids"]) + len(record["tokens"]) == 1024 + 1  # the last token needs no position
+    assert "stopped at the end of the context (1024 tokens)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["--language", "xx"], "unknown language 'xx'"),
+        (["--top-p", "0"], "--top-p"),
+    ],
+)
+def test_bad_options_are_one_error_line(tiny_bundle, capsys, args, message):
+    rc = main(["run", "--bundle", str(tiny_bundle), *audio_args("short.wav"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1].startswith("error: ") and message in err[-1]
+
+
+def test_golden_mismatch_fails_the_run(tiny_bundle, tmp_path, capsys):
+    golden = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "tiny.json").read_text())
+    golden["tokens"]["cpu-float32"]["short.wav"][3] += 1
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(golden))
+    rc = main(
+        [
+            "run",
+            "--bundle",
+            str(tiny_bundle),
+            *audio_args("short.wav"),
+            "--max-new-tokens",
+            "32",
+            "--expect-tokens",
+            str(path),
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1] == f"error: {AUDIO / 'short.wav'}: tokens differ from golden.json at index 3"
+
+
+def test_golden_tokens_of_the_tiny_bundle_hold(tiny_bundle, capsys):
+    """The same check `nox -s e2e` runs: all fixture files, golden tokens and the eager reference."""
+    names = ["speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav"]
+    rc = main(
+        [
+            "run",
+            "--bundle",
+            str(tiny_bundle),
+            *audio_args(*names),
+            "--max-new-tokens",
+            "32",
+            "--expect-tokens",
+            "fixtures/golden/tiny.json",
+            "--reference",
+            "eager",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    assert err.count("eager reference: match") == len(names)

@@ -23,21 +23,28 @@ from runner.errors import RunnerError  # noqa: E402
 REQUIRED_FILES = ("tekken.json",)  # beyond each method's library and weights, which verify_bundle requires
 
 
+def required_files(manifest: Manifest) -> tuple[str, ...]:
+    """The tokenizer the manifest names (tokenizer.json for a Whisper bundle), else REQUIRED_FILES."""
+    tokenizer = manifest.model.get("tokenizer") if isinstance(manifest.model, dict) else None
+    return (tokenizer,) if isinstance(tokenizer, str) else REQUIRED_FILES
+
+
 def roles(manifest: Manifest) -> dict[str, str]:
     out = {name: "" for name in manifest.files}
     for m in manifest.methods.values():
         out[m.library] = f"{m.name} library"
         if m.weights:
             out[m.weights] = f"{m.name} weights"
-    if "tekken.json" in out:
-        out["tekken.json"] = "tokenizer"
+    for name in required_files(manifest):
+        if name in out:
+            out[name] = "tokenizer"
     return out
 
 
 def check(bundle_dir: Path, expect_digest: str | None = None) -> tuple[Manifest, str, list[str]]:
     """(manifest, bundle digest, unlisted files); raises RunnerError."""
     manifest = verify_bundle(bundle_dir)
-    missing = [f for f in REQUIRED_FILES if f not in manifest.files]
+    missing = [f for f in required_files(manifest) if f not in manifest.files]
     if missing:
         raise RunnerError(f"{bundle_dir / MANIFEST_NAME}: does not list {', '.join(missing)}")
     digest = bundle_digest(bundle_dir / MANIFEST_NAME)

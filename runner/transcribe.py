@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from runner import wer
 from runner.errors import RunnerError
 from runner.multimodal import GenerationOptions, GenerationResult, MultimodalRunner, ProgramEngine, Segment
 from runner.program import Program
@@ -59,8 +60,17 @@ def compare_with_reference(
 
 
 def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
-    tok = Tekken.from_file(program.bundle_dir / program.manifest.model["tokenizer"])
-    runner = MultimodalRunner(ProgramEngine(program, cuda_graph=not args.no_cuda_graph), tok)
+    family = program.manifest.model.get("family", "voxtral")
+    if family == "whisper":  # cross-attention decoder: its own engine, tokenizer and prompt (runner/whisper.py)
+        from runner.whisper import WhisperRunner
+
+        runner = WhisperRunner.for_program(program, cuda_graph=not args.no_cuda_graph)
+        tok = runner.tok
+    elif family == "voxtral":
+        tok = Tekken.from_file(program.bundle_dir / program.manifest.model["tokenizer"])
+        runner = MultimodalRunner(ProgramEngine(program, cuda_graph=not args.no_cuda_graph), tok)
+    else:
+        raise RunnerError(f"{program.bundle_dir}: model family {family!r} is not one this runner knows")
     opts = GenerationOptions(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -70,10 +80,16 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
         record_logits=args.reference is not None,
     )
     reference = None
-    if args.reference == "eager":
+    if args.reference == "eager" and family == "whisper":
+        from runner.export.whisper_export import WhisperEagerEngine
+
+        reference = type(runner)(WhisperEagerEngine(program.bundle_dir, program.manifest), tok, runner.multilingual)
+    elif args.reference == "eager":
         from runner.export.eager import EagerEngine  # the eager model lives above the runtime; import lazily
 
         reference = MultimodalRunner(EagerEngine(program.bundle_dir, program.manifest), tok)
+    references = wer.read_references(args.wer) if getattr(args, "wer", None) else None
+    scores: list[wer.FileWER] = []
     golden = _read_golden(args.expect_tokens, program) if args.expect_tokens else None
     text_out = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON lines
     failures: list[str] = []
@@ -116,6 +132,12 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
             )
             if not rep.ok:
                 failures.append(f"{path}: tokens differ from the eager reference at token {rep.first_divergence}")
+        if references is not None:
+            if Path(path).name not in references:
+                failures.append(f"{args.wer}: no reference transcript for {Path(path).name}")
+            else:
+                scores.append(wer.score(Path(path).name, references[Path(path).name], result.text))
+                record["wer"] = scores[-1].to_dict()
         if args.expect and args.expect.lower() not in result.text.lower():
             failures.append(f"{path}: transcript does not contain {args.expect!r}: {result.text!r}")
         if golden is not None:
@@ -135,6 +157,12 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
 
+    if scores:
+        for line in wer.table(scores):
+            print(line, file=sys.stderr)
+        total = wer.corpus_wer(scores)
+        if getattr(args, "max_wer", None) is not None and total > args.max_wer:
+            failures.append(f"word error rate {total:.1%} is above --max-wer {args.max_wer:.1%}")
     if failures:
         for f in failures[:-1]:
             print(f"error: {f}", file=sys.stderr)

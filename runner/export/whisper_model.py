@@ -132,7 +132,10 @@ class CrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape  # kv: [2, H, 1500, D]
         q = _heads(self.q_proj(x), self.n_heads)
-        y = F.scaled_dot_product_attention(q, kv[0:1], kv[1:2])  # every position sees the whole window
+        # Written out, softmax in float32, as the self-attention: SDPA with a dynamic query length is the kind
+        # of CUDA path torch 2.11 could not export for the Voxtral decoder. Every position sees the whole window.
+        scores = torch.matmul(q, kv[0:1].transpose(-1, -2)).float() * (d // self.n_heads) ** -0.5  # [1, H, S, 1500]
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(kv.dtype), kv[1:2])  # [1, H, S, D]
         return self.out_proj(y.transpose(1, 2).reshape(b, s, d))
 
 

@@ -685,6 +685,9 @@ def main(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
     manifest = read_manifest(args.bundle)  # Program.load verifies every digest, timed
+    family = manifest.model.get("family", "voxtral")
+    if family != "voxtral":  # Whisper bundles: `run --json` stats (benchmarks/README-whisper.md)
+        raise RunnerError(f"{args.bundle}: bench times Voxtral bundles; this is a {family} bundle (use `run --json`)")
     tok = Tekken.from_file(args.bundle / manifest.model["tokenizer"])
     plan = make_plan(args, manifest, tok)
     vocab = manifest.model["config"]["text"]["vocab_size"]

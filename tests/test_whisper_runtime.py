@@ -1,0 +1,80 @@
+"""runner/whisper.py without the model package: the tokenizer on a small byte-level tokenizer.json made here,
+the prompt, and how long audio is cut into windows and teacher-forced tokens are split back per window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runner.errors import GenerationError, TokenizerError
+from runner.multimodal import AudioSegment, TextSegment
+from runner.tokenizer import StreamDecoder
+from runner.whisper import WhisperTokenizer, WindowTokens, _byte_decoder, _split_forced, _windows, whisper_prompt
+
+SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> WhisperTokenizer:
+    """GPT-2's 256 byte symbols as the whole BPE vocabulary (no merges), then Whisper's control tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    alphabet = sorted(_byte_decoder(), key=lambda ch: _byte_decoder()[ch])
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    tk.add_special_tokens(SPECIALS)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tk.save(str(path))
+    return WhisperTokenizer(path, vocab_size=300)
+
+
+def test_control_tokens_are_looked_up_by_name_and_everything_from_endoftext_up_is_special(tokenizer):
+    assert tokenizer.eos_id == tokenizer.special_id("<|endoftext|>") == 256
+    assert [tokenizer.special_id(s) for s in SPECIALS] == [256, 257, 258, 259, 260]
+    assert tokenizer.is_special(299) and not tokenizer.is_special(255)  # 299: past tokenizer.json (timestamps)
+    assert tokenizer.special_name(257) == "<|startoftranscript|>" and tokenizer.special_name(299).startswith("<|")
+    with pytest.raises(TokenizerError, match="not in the tokenizer"):
+        tokenizer.special_id("<|fr|>")
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        tokenizer.token_bytes(300)
+
+
+def test_text_round_trips_and_streams_whole_characters_only(tokenizer):
+    text = " Héllo wörld, ça va? 🙂"
+    ids = tokenizer.encode(text)
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte in this vocabulary
+    assert tokenizer.decode(ids) == text
+    stream = StreamDecoder(tokenizer)
+    pieces = [stream.feed(i) for i in [257, 260, *ids, 256]] + [stream.flush()]
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    assert tokenizer.decode([257, *ids[:2], 256], keep_special=True) == "<|startoftranscript|> H<|endoftext|>"
+
+
+def test_control_tokens_typed_as_text_are_refused(tokenizer):
+    with pytest.raises(TokenizerError, match="control token"):
+        tokenizer.encode("say <|endoftext|>")
+
+
+def test_prompt_english_only_and_multilingual(tokenizer):
+    assert whisper_prompt(tokenizer, False, None) == (257, 260)
+    assert whisper_prompt(tokenizer, False, "en") == (257, 260)
+    with pytest.raises(GenerationError, match="English-only"):
+        whisper_prompt(tokenizer, False, "de")
+    assert whisper_prompt(tokenizer, True, "en") == (257, 258, 259, 260)
+
+
+def test_segments_are_cut_into_one_window_per_audio_segment():
+    a, b, p = AudioSegment(np.zeros(3, np.float32)), AudioSegment(np.ones(2, np.float32)), TextSegment((1, 2))
+    windows = _windows([a, p, b, p])
+    assert [[type(s).__name__ for s in w] for w in windows] == [["AudioSegment", "TextSegment"]] * 2
+    assert windows[1][0] is b
+
+
+def test_forced_tokens_split_by_recorded_window_lengths_or_at_endoftext():
+    tokens = WindowTokens([5, 6, 9, 7, 9], [3, 2])
+    assert _split_forced(tokens, 2, eot=9) == [[5, 6, 9], [7, 9]]
+    # a window cut by --max-new-tokens has no <|endoftext|>: only the recorded lengths split it right
+    assert _split_forced(WindowTokens([5, 6, 7, 9], [2, 2]), 2, eot=9) == [[5, 6], [7, 9]]
+    assert _split_forced([5, 9, 7, 9], 2, eot=9) == [[5, 9], [7, 9]]  # a plain list: cut after each eot
+    assert _split_forced([5, 9], 3, eot=9) == [[5, 9], [], []]
+    assert _split_forced(None, 2, eot=9) == [None, None]

@@ -3,7 +3,9 @@
     nox -s export-artifact   build a bundle (tiny preset on the best local device by default) into artifacts/
     nox -s e2e               run the runner on the fixture audio and check it against golden tokens + eager
     nox -s benchmark         time the bundle against the eager model
-    nox -s tests             the test suite
+    nox -s tests             the test suite (without the tests marked slow)
+    nox -s soak              the long soak / lifecycle / fault runs (tests marked slow)
+    nox -s fuzz              atheris on the manifest parser and the audio loader
     nox -s lint              ruff + workflow linters
 
 Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`).
@@ -126,6 +128,32 @@ def tests(session: nox.Session) -> None:
     """The test suite (long soak/fuzz tests are behind the `slow` marker)."""
     install(session, "test,whisper")  # whisper: the real-speech tests (tests/test_whisper*.py) run, not skip
     session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The long hardening runs (tests marked `slow`): 1000 runs in one process, 100 load/destroy cycles, compiling
+    onto a full disk. Prints the measured slopes (RSS, fds, libraries, threads; GPU memory on CUDA).
+    VOXTRAL_SOAK_BUNDLE=DIR soaks that bundle instead of the tiny one (e.g. a CUDA bundle on a GPU machine)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-m", "slow", "-s", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """atheris on the manifest parser (+ verify_bundle) and the audio loader, FUZZ_SECONDS each (default 300).
+    A crash leaves its input under artifacts/fuzz/; the corpora are kept there between runs."""
+    install(session, "test")
+    session.install("atheris")
+    seconds = os.environ.get("FUZZ_SECONDS", "300")
+    out = "artifacts/fuzz"
+    os.makedirs(out, exist_ok=True)
+    session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
+    for target, extra in (("manifest", [DEFAULT_BUNDLE]), ("audio", [])):
+        session.run(
+            "python", f"tests/fuzz/fuzz_{target}.py", *extra, f"-max_total_time={seconds}", "-rss_limit_mb=4096",
+            f"-artifact_prefix={out}/{target}-", f"{out}/corpus-{target}", *session.posargs,
+        )  # fmt: skip
 
 
 @nox.session

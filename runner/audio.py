@@ -24,7 +24,13 @@ N_MELS = 128  # Voxtral's mel bins (Whisper large-v3 style)
 # 3000 frames -> 1500 after the encoder's stride-2 conv -> 375 after the projector groups 4 frames into one token.
 TOKENS_PER_CHUNK = N_FRAMES // 2 // 4
 
+MIN_RATE, MAX_RATE = 1000, 768000  # Hz; outside this a header is damaged, not a recording
+MAX_SECONDS = 4 * 3600  # longer than any bundle takes by far; refused before decoding
+MAX_SAMPLES = 1 << 29  # frames x channels: 2 GiB of float32
 _WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the data size unset
+# WAV format tags libsndfile decodes: PCM, MS ADPCM, float, A-law, mu-law, IMA ADPCM, GSM 6.10, G.721, MPEG-3,
+# extensible. Only used to word the error for a file libsndfile has already refused.
+_WAV_CODECS = {0x0001, 0x0002, 0x0003, 0x0006, 0x0007, 0x0011, 0x0031, 0x0040, 0x0055, 0xFFFE}
 
 
 def load_audio(path: str | os.PathLike) -> np.ndarray:
@@ -50,8 +56,14 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
     try:
         with sf.SoundFile(path) as f:
             declared, sr = f.frames, f.samplerate
+            _check_plausible(path, sr, declared, f.channels)  # before read() allocates what the header claims
             data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
     except sf.LibsndfileError as e:
+        tag = _wav_format_tag(path)
+        if tag is not None and tag not in _WAV_CODECS:  # libsndfile only says "Malformed 'fmt ' chunk"
+            raise AudioError(
+                f"unsupported WAV codec (format tag 0x{tag:04x}): {path}; convert it to PCM WAV, FLAC or Ogg"
+            ) from None
         what = "not a readable audio file" if "Error opening" in str(e) else "truncated or corrupt audio"
         raise AudioError(f"{what}: {path} ({_one_line(e)})") from None
     except (RuntimeError, ValueError, TypeError) as e:
@@ -65,9 +77,16 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
     if not np.isfinite(data).all():
         raise AudioError(f"audio file contains NaN or Inf samples: {path}")
 
-    wave = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
+    # float64 sum: finite float32 samples near 3e38 in several channels overflowed to inf (found by atheris)
+    wave = data.mean(axis=1, dtype=np.float64).astype(np.float32) if data.shape[1] > 1 else data[:, 0]
     if sr != SAMPLE_RATE:
         wave = soxr.resample(wave, sr, SAMPLE_RATE)
+        if len(wave) == 0:  # a few frames at a high rate
+            raise AudioError(
+                f"audio file is shorter than one sample at {SAMPLE_RATE} Hz: {path} ({len(data)} frames at {sr} Hz)"
+            )
+    if not np.isfinite(wave).all():  # resampling samples near the float32 limit can overflow
+        raise AudioError(f"audio file has samples too large to process (peak {np.abs(data).max():.3g}): {path}")
     return np.ascontiguousarray(wave, dtype=np.float32)
 
 
@@ -89,6 +108,18 @@ def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
     return out
 
 
+def _check_plausible(path: str, sr: int, frames: int, channels: int) -> None:
+    """Header values no real recording has (seen fuzzing: a flipped AIFF byte made 67 MHz, which resampled to
+    no samples at all), and sizes that would make read() allocate gigabytes on the header's word."""
+    if not MIN_RATE <= sr <= MAX_RATE:
+        raise AudioError(f"unsupported sample rate {sr} Hz (expected {MIN_RATE} to {MAX_RATE} Hz): {path}")
+    if frames / sr > MAX_SECONDS or frames * channels > MAX_SAMPLES:
+        raise AudioError(
+            f"audio file too large: {path} ({frames / sr:.0f} s, {channels} channels; at most "
+            f"{MAX_SECONDS // 3600} h and {MAX_SAMPLES:,} samples)"
+        )
+
+
 def _check_wav_not_truncated(path: str) -> None:
     """libsndfile reads a WAV cut short without complaint, so compare the declared data size with the file's."""
     size = os.path.getsize(path)
@@ -107,6 +138,24 @@ def _check_wav_not_truncated(path: str) -> None:
                     )
                 return
             pos += 8 + chunk_size + (chunk_size & 1)  # chunks are padded to even sizes
+
+
+def _wav_format_tag(path: str) -> int | None:
+    """The format tag of a RIFF/WAVE file's `fmt ` chunk; None for anything else."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+                return None
+            while len(hdr := f.read(8)) == 8:
+                chunk_id, chunk_size = struct.unpack("<4sI", hdr)
+                if chunk_id == b"fmt ":
+                    tag = f.read(2)
+                    return struct.unpack("<H", tag)[0] if len(tag) == 2 else None
+                f.seek(chunk_size + (chunk_size & 1), os.SEEK_CUR)
+    except OSError:
+        pass
+    return None
 
 
 def _one_line(e: Exception) -> str:

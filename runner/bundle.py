@@ -20,6 +20,7 @@ MANIFEST_NAME = "model.pte"
 FORMAT_NAME = "voxtral-aoti-bundle"
 FORMAT_VERSION = 1
 METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+UNLISTED_REFUSED = (".so", ".safetensors")  # code and weights: in the bundle only if the manifest pins them
 
 # A dimension is either a fixed int or a dynamic range; `multiple` is for the waveform (whole 30 s chunks).
 Dim = int | dict[str, int]
@@ -98,7 +99,7 @@ class Manifest:
     def from_json(cls, text: str, source: str = MANIFEST_NAME) -> Manifest:
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
+        except (ValueError, RecursionError) as e:  # JSON, UTF-8, a 5000-digit int; RecursionError: nesting too deep
             raise BundleError(f"{source}: not a JSON manifest ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise BundleError(f"{source}: not a {FORMAT_NAME} manifest")
@@ -228,6 +229,14 @@ def verify_bundle(bundle_dir: str | os.PathLike, *, check_digests: bool = True) 
     missing = [m for m in METHOD_NAMES if m not in manifest.methods]
     if missing:
         raise BundleError(f"{bundle_dir / MANIFEST_NAME}: methods missing: {', '.join(missing)}")
+    # A library or weight file the manifest does not pin is a mixed or tampered bundle (e.g. a new export copied
+    # over an old one): refuse it rather than leave it beside the code we load.
+    listed = {part for rel in manifest.files for part in PurePosixPath(rel).parts[:1]}
+    for p in sorted(bundle_dir.iterdir()):
+        if p.name not in listed and (p.suffix in UNLISTED_REFUSED or ".so." in p.name):
+            raise BundleError(
+                f"{p}: not listed in {MANIFEST_NAME}; a bundle holds only the libraries and weights it pins"
+            )
     paths = {}
     for rel, entry in manifest.files.items():
         path = paths[rel] = safe_member(bundle_dir, rel)

@@ -101,7 +101,18 @@ def cmd_export(args: argparse.Namespace) -> int:
             else:
                 console.print(f"  {method:16s} {phase}")
 
-        report = export(model, source, tekken, out, opts, progress=progress)
+        try:
+            report = export(model, source, tekken, out, opts, progress=progress)
+        except OSError as e:  # disk full, unwritable --out: the half-built stage is already removed
+            raise RunnerError(f"{out}: cannot write the bundle ({_os_reason(e)})") from None
+        except RuntimeError as e:  # torch's archive writer reports a full disk so ("unexpected pos")
+            if args.debug:
+                raise
+            _finalize_torch_writers(e.__traceback__)
+            raise RunnerError(
+                f"{out}: export failed ({' '.join(str(e).split())[:300]}); if the disk is full, free space or "
+                "pass another --out / --cache-dir"
+            ) from None
     console.print(f"bundle: {out}")
     for m, err in report.max_error.items():
         console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
@@ -276,9 +287,36 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # what the system refused (disk full, permissions) with the file it names, if any
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{_os_reason(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+
+
+def _finalize_torch_writers(tb) -> None:
+    """A torch zip writer whose write failed throws again from its C++ destructor, which aborts the process
+    (seen: export onto a full disk, exit 134). Finalising it once here, while the traceback still holds it, marks
+    it finalised, so its destructor does nothing."""
+    import torch
+
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            writer = getattr(value, "archive_file", value)
+            if isinstance(writer, torch._C.PyTorchFileWriter):
+                try:
+                    writer.write_end_of_file()
+                except RuntimeError:
+                    pass
+        tb = tb.tb_next
+
+
+def _os_reason(e: OSError) -> str:
+    return " ".join((e.strerror or str(e) or type(e).__name__).split())
 
 
 def print_json(obj) -> None:

@@ -358,19 +358,22 @@ def download_zip(
         raise FetchError(f"{what}: {total} bytes is over the {max_bytes}-byte cap")
     h = hashlib.sha256()
     done = 0
-    with _quiet_urllib3(), resp, open(out, "xb") as f, _progress(total, progress, artifact["name"]) as bar:
-        task = bar.add_task("download", total=total) if bar else None
-        try:
-            for block in resp.iter_content(CHUNK):
-                done += len(block)
-                if done > max_bytes:
-                    raise FetchError(f"{what}: download passed the {max_bytes}-byte cap; stopped")
-                h.update(block)
-                f.write(block)
-                if bar:
-                    bar.update(task, advance=len(block))
-        except requests.RequestException as e:
-            raise FetchError(f"{what}: download interrupted ({type(e).__name__}); try again") from None
+    try:
+        with _quiet_urllib3(), resp, open(out, "xb") as f, _progress(total, progress, artifact["name"]) as bar:
+            task = bar.add_task("download", total=total) if bar else None
+            try:
+                for block in resp.iter_content(CHUNK):
+                    done += len(block)
+                    if done > max_bytes:
+                        raise FetchError(f"{what}: download passed the {max_bytes}-byte cap; stopped")
+                    h.update(block)
+                    f.write(block)
+                    if bar:
+                        bar.update(task, advance=len(block))
+            except requests.RequestException as e:
+                raise FetchError(f"{what}: download interrupted ({type(e).__name__}); try again") from None
+    except OSError as e:  # disk full, file size limit: the caller removes the partial file
+        raise FetchError(f"{what}: cannot write the download in {out.parent.parent} ({e.strerror or e})") from None
     if total and resp.headers.get("content-length") and done != total:
         raise FetchError(f"{what}: download ended early ({done} of {total} bytes); try again")
     return h.hexdigest()
@@ -518,8 +521,11 @@ def fetch_artifact(
     size = artifact.get("size_in_bytes", "?")
     log(f"run {run.get('id')} ({run.get('head_branch')}@{sha}): artifact {name} id {artifact['id']}, {size} bytes")
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
+    except OSError as e:
+        raise FetchError(f"{dest}: cannot create a directory beside it ({e.strerror or e})") from None
     try:
         archive = work / "artifact.zip"
         digest = download_zip(gh, repo, artifact, archive, progress=progress, max_bytes=max_bytes)

@@ -4,6 +4,8 @@ the eager model for `--reference eager`), so both sides run exactly the same loo
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -11,8 +13,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runner.audio import SAMPLE_RATE, load_audio, pad_to_chunks
-from runner.errors import GenerationError
+from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio, num_chunks, pad_to_chunks
+from runner.errors import AudioError, GenerationError
 from runner.program import Program
 from runner.stats import Stats, now_ms
 from runner.tokenizer import StreamDecoder, Tekken
@@ -170,8 +172,10 @@ class GenerationOptions:
     record_logits: bool = False
 
     def __post_init__(self):
-        if self.max_new_tokens < 0 or self.min_new_tokens < 0:
-            raise GenerationError("--max-new-tokens / --min-new-tokens must be >= 0")
+        if self.max_new_tokens < 1:
+            raise GenerationError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+        if self.min_new_tokens < 0:
+            raise GenerationError(f"--min-new-tokens {self.min_new_tokens}: must be >= 0")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise GenerationError("--temperature must be >= 0 and --top-p in (0, 1]")
 
@@ -207,6 +211,21 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=self.generator)
 
 
+# One lock per KV cache. The cache is the program's state, shared by every runner over it: two generate() calls
+# at once would interleave their prefill and decode steps in it. A second caller gets a clear error, not a mix.
+_STATE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATE_LOCKS_GUARD = threading.Lock()
+
+
+def _state_lock(engine: Engine) -> threading.Lock:
+    owner = getattr(engine, "program", engine)  # two ProgramEngines over one Program share its cache
+    with _STATE_LOCKS_GUARD:
+        try:
+            return _STATE_LOCKS.setdefault(owner, threading.Lock())
+        except TypeError:  # not hashable or not weakly referenceable: a lock for this runner alone
+            return threading.Lock()
+
+
 class MultimodalRunner:
     # the id prompt_ids show at each audio position; None for a family whose audio is cross-attended (Whisper)
     AUDIO_TOKEN: str | None = "[AUDIO]"
@@ -214,6 +233,7 @@ class MultimodalRunner:
     def __init__(self, engine: Engine, tokenizer: Tekken):
         self.engine, self.tok = engine, tokenizer
         self.audio_id = tokenizer.special_id(self.AUDIO_TOKEN) if self.AUDIO_TOKEN else None
+        self._busy = _state_lock(engine)
 
     def _positions(self, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, device=self.engine.device)
@@ -224,6 +244,7 @@ class MultimodalRunner:
         e, pos, prompt_ids, logits = self.engine, 0, [], None
         for seg in segments:
             if isinstance(seg, TextSegment):
+                self._check_fits(pos, len(seg.ids))  # before embedding: the method refuses > max_seq_len ids
                 ids = torch.tensor([seg.ids], dtype=torch.int64, device=e.device)
                 embeds = e.embed(ids)
                 prompt_ids += seg.ids
@@ -233,14 +254,17 @@ class MultimodalRunner:
                 embeds = e.encode(to_encoder_dtype(mel, e.encoder_dtype))
                 prompt_ids += [self.audio_id] * embeds.shape[1]
             n = embeds.shape[1]
-            if pos + n > e.max_seq_len:
-                raise GenerationError(
-                    f"the prompt needs {pos + n} positions, the bundle's context is "
-                    f"{e.max_seq_len} (--max-seq-len at export)"
-                )
+            self._check_fits(pos, n)
             logits = e.decode(embeds, self._positions(pos, n))
             pos += n
         return logits, prompt_ids
+
+    def _check_fits(self, pos: int, n: int) -> None:
+        if pos + n > self.engine.max_seq_len:
+            raise GenerationError(
+                f"the prompt needs at least {pos + n} positions, the bundle's context is "
+                f"{self.engine.max_seq_len} (--max-seq-len at export)"
+            )
 
     def generate(
         self,
@@ -250,7 +274,19 @@ class MultimodalRunner:
         stats: Stats | None = None,
         forced: list[int] | None = None,
     ) -> GenerationResult:
-        """`forced` feeds the given tokens instead of sampling (teacher forcing, for the eager comparison)."""
+        """`forced` feeds the given tokens instead of sampling (teacher forcing, for the eager comparison).
+        Raises GenerationError if another generate() is running on the same program (one runner per thread)."""
+        if not self._busy.acquire(blocking=False):
+            raise GenerationError(
+                "runner is busy: another generate() is running on this program (its KV cache is shared state); "
+                "use one program and runner per thread"
+            )
+        try:
+            return self._generate(segments, opts, on_text, stats, forced)
+        finally:
+            self._busy.release()
+
+    def _generate(self, segments, opts, on_text, stats, forced) -> GenerationResult:
         e, stats = self.engine, stats or Stats()
         stats.audio_seconds = sum(len(s.samples) for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
         sampler, stream = Sampler(opts, e.device), StreamDecoder(self.tok)
@@ -299,4 +335,10 @@ class MultimodalRunner:
 
     def prompt_for(self, audio_path: str | os.PathLike, prompt: str | None, language: str | None) -> list[Segment]:
         samples = load_audio(audio_path)
+        n, most = num_chunks(len(samples)), self.engine.max_audio_chunks
+        if n > most:  # pad_to_chunks says so too, later, but without the file's name
+            raise AudioError(
+                f"{audio_path}: audio is {len(samples) / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s); "
+                f"this bundle takes at most {most} chunks ({most * CHUNK_LENGTH} s)"
+            )
         return chat_prompt(self.tok, samples, prompt) if prompt else transcription_prompt(self.tok, samples, language)

@@ -1,0 +1,101 @@
+"""atheris: the bundle manifest parser (Manifest.from_json) and verify_bundle's structural checks on fuzzed
+`model.pte` bytes. Only BundleError may escape; anything else is a crash atheris reports with its input.
+
+    python tests/fuzz/fuzz_manifest.py [BUNDLE_DIR] -max_total_time=300 [CORPUS_DIR]     (nox -s fuzz)
+
+With BUNDLE_DIR (a real bundle, default $VOXTRAL_FUZZ_BUNDLE), each input is also written as a copy's model.pte
+and verified (sizes, paths, links, listed files; digests off, for speed). A custom mutator edits the JSON tree
+(replace or delete a value anywhere) half of the time, so inputs get past the format check and reach the
+per-field code; the other half are libFuzzer's byte mutations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import atheris
+
+with atheris.instrument_imports():
+    from runner.bundle import MANIFEST_NAME, Manifest, verify_bundle
+    from runner.errors import BundleError
+
+_VALUES = [None, True, 0, -1, 1, 2**63, 1.5, float("inf"), "", "x", "../x.so", "/abs.so", "a\\b", [], {}, [1], {"a": 1},
+           {"min": 1, "max": 0}, {"name": "x", "dtype": "float32", "shape": [1]}]  # fmt: skip
+
+
+def _paths(d, prefix=()):
+    yield prefix
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from _paths(v, prefix + (i,))
+
+
+def mutate_json(data: bytes, max_size: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError):
+        return atheris.Mutate(data, max_size)
+    if rng.random() < 0.5 or not isinstance(d, dict):
+        return atheris.Mutate(data, max_size)
+    for _ in range(rng.randint(1, 3)):
+        paths = [p for p in _paths(d) if p]
+        if not paths:
+            break
+        path = rng.choice(paths)
+        parent = d
+        for key in path[:-1]:
+            parent = parent[key]
+        if rng.random() < 0.3:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = rng.choice(_VALUES)
+    out = json.dumps(d).encode()
+    return out[:max_size]
+
+
+class Target:
+    def __init__(self, bundle: Path | None):
+        self.copy = None
+        if bundle:
+            self.copy = Path(tempfile.mkdtemp(prefix="fuzz-bundle-")) / "b"
+            shutil.copytree(bundle, self.copy)
+
+    def __call__(self, data: bytes) -> None:
+        try:
+            Manifest.from_json(data.decode("utf-8", errors="replace"))
+        except BundleError:
+            pass
+        if self.copy is not None:
+            (self.copy / MANIFEST_NAME).write_bytes(data)
+            try:
+                verify_bundle(self.copy, check_digests=False)
+            except BundleError:
+                pass
+
+
+def main() -> None:
+    argv = list(sys.argv)
+    bundle = os.environ.get("VOXTRAL_FUZZ_BUNDLE")
+    if len(argv) > 1 and not argv[1].startswith("-") and (Path(argv[1]) / MANIFEST_NAME).is_file():
+        bundle = argv.pop(1)
+    target = Target(Path(bundle) if bundle else None)
+    seeds = [a for a in argv[1:] if not a.startswith("-")]
+    if bundle and seeds:  # seed the corpus with the real manifest
+        Path(seeds[0]).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(bundle) / MANIFEST_NAME, Path(seeds[0]) / "model.pte")
+    atheris.Setup(argv, target, custom_mutator=mutate_json)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

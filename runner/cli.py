@@ -166,8 +166,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     load = Stats()
     load.model_load_start_ms = now_ms()
+    load.record_gpu_memory("before_load")
     with Program.load(args.bundle) as program:
         load.model_load_end_ms = now_ms()
+        load.record_gpu_memory("after_load")
         return run_files(program, args, load)
 
 

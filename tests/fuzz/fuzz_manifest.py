@@ -11,6 +11,7 @@ per-field code; the other half are libFuzzer's byte mutations.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -58,7 +59,7 @@ def mutate_json(data: bytes, max_size: int, seed: int) -> bytes:
         if rng.random() < 0.3:
             del parent[path[-1]]
         else:
-            parent[path[-1]] = rng.choice(_VALUES)
+            parent[path[-1]] = copy.deepcopy(rng.choice(_VALUES))  # a shared value could nest in itself
     out = json.dumps(d).encode()
     return out[:max_size]
 

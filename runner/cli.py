@@ -160,16 +160,20 @@ def add_run(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from runner.bundle import read_manifest
     from runner.program import Program
     from runner.stats import Stats, now_ms
     from runner.transcribe import run_files
 
+    cuda = read_manifest(args.bundle).device == "cuda"  # no CUDA context for a CPU bundle
     load = Stats()
     load.model_load_start_ms = now_ms()
-    load.record_gpu_memory("before_load")
+    if cuda:
+        load.record_gpu_memory("before_load")
     with Program.load(args.bundle) as program:
         load.model_load_end_ms = now_ms()
-        load.record_gpu_memory("after_load")
+        if cuda:
+            load.record_gpu_memory("after_load")
         return run_files(program, args, load)
 
 

@@ -70,6 +70,10 @@ class ProgramEngine:
             self.graph = DecodeGraph(self)
         self.program.reset_state()
 
+    def graph_inputs(self) -> tuple[torch.Tensor, ...]:
+        """text_decoder inputs after (embeds, cache_position), as static tensors a captured step can read."""
+        return ()
+
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         if self.graph is not None:
             return self.graph.step(token, pos)
@@ -94,8 +98,11 @@ class DecodeGraph:
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
         emb, dec = engine._emb, engine._dec
+        extra = list(engine.graph_inputs())
         run = lambda: dec.backend.execute(  # noqa: E731
-            dec.handle, [emb.backend.execute(emb.handle, [self.token], graph_safe=True)[0], self.pos], graph_safe=True
+            dec.handle,
+            [emb.backend.execute(emb.handle, [self.token], graph_safe=True)[0], self.pos, *extra],
+            graph_safe=True,
         )[0]
         side = torch.cuda.Stream(device=engine.device)
         side.wait_stream(torch.cuda.current_stream())

@@ -26,7 +26,6 @@ from runner.multimodal import (
     ProgramEngine,
     Segment,
     TextSegment,
-    decode_token,
     to_encoder_dtype,
 )
 from runner.program import Program
@@ -160,7 +159,7 @@ class WhisperEngine(ProgramEngine):
     `decode` passes to text_decoder as its third input."""
 
     def __init__(self, program: Program, cuda_graph: bool = True):
-        super().__init__(program, cuda_graph=False)  # Voxtral's DecodeGraph calls a two-input decoder
+        super().__init__(program, cuda_graph=cuda_graph)
         model = program.manifest.model
         enc_in, kv_spec = self._enc.spec.inputs[0], self._enc.spec.outputs[0]
         # the mel bins come from the bundle: preprocessor output, encoder input and manifest must agree
@@ -172,10 +171,8 @@ class WhisperEngine(ProgramEngine):
             )
         self.n_mels = n_mels
         self.cross_kv: torch.Tensor | None = None
-        self.use_cuda_graph = cuda_graph and self.device == "cuda"
         if self.use_cuda_graph:  # graph replays read a static tensor: encode() copies each window into it
             self.cross_kv = torch.zeros(kv_spec.shape, dtype=getattr(torch, kv_spec.dtype), device=self.device)
-        self.graph: WhisperDecodeGraph | None = None
 
     def encode(self, mel):
         kv = self._enc(mel)[0]
@@ -190,44 +187,8 @@ class WhisperEngine(ProgramEngine):
             raise GenerationError("text_decoder called before audio_encoder: no cross-attention K/V yet")
         return self._dec(embeds, pos, self.cross_kv)[0]
 
-    def reset(self):
-        if self.use_cuda_graph and self.graph is None:
-            self.graph = WhisperDecodeGraph(self)  # before any prefill: the capture's cache writes are wiped
-        self.program.reset_state()
-
-    def decode_token(self, token, pos):
-        if self.graph is not None:
-            return self.graph.step(token, pos)
-        return decode_token(self, token, pos)
-
-
-class WhisperDecodeGraph:
-    """The Whisper decode step (token_embedding + text_decoder with the static cross-K/V) as one CUDA graph,
-    as multimodal.DecodeGraph does for Voxtral."""
-
-    def __init__(self, engine: WhisperEngine):
-        self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
-        emb, dec, kv = engine._emb, engine._dec, engine.cross_kv
-        run = lambda: dec.backend.execute(  # noqa: E731
-            dec.handle,
-            [emb.backend.execute(emb.handle, [self.token], graph_safe=True)[0], self.pos, kv],
-            graph_safe=True,
-        )[0]
-        side = torch.cuda.Stream(device=engine.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = run()
-
-    def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        self.token.copy_(token.view(1, 1))
-        self.pos.fill_(pos)
-        self.graph.replay()
-        return self.logits
+    def graph_inputs(self):
+        return (self.cross_kv,)
 
 
 # ---------------------------------------------------------------- runner

@@ -40,7 +40,7 @@ from runner.bundle import (
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.mel import LogMelSpectrogram, export_mel
-from runner.export.model import TextDecoder, Voxtral
+from runner.export.model import Voxtral
 from runner.tokenizer import Tekken
 
 log = logging.getLogger(__name__)
@@ -205,15 +205,17 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
 # ---------------------------------------------------------------- compile, with a cache
 
 
-def source_digest() -> str:
+def source_digest(files: tuple[str, ...] = SOURCE_FILES) -> str:
+    """sha256 over source files (paths relative to runner/): part of the compile-cache key."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for rel in SOURCE_FILES:
+    for rel in files:
         h.update((root / rel).read_bytes())
     return h.hexdigest()
 
 
-def cache_key(model: Voxtral, source: ModelSource, opts: ExportOptions, method: str) -> str:
+def cache_key(model: nn.Module, source: ModelSource, opts: ExportOptions, method: str, namespace: str = "") -> str:
+    """Everything the compiled `.so` depends on; `namespace` adds a family's own sources."""
     blob = json.dumps(
         {
             "config": model.config.to_dict(),
@@ -224,6 +226,7 @@ def cache_key(model: Voxtral, source: ModelSource, opts: ExportOptions, method: 
             "max_seq_len": opts.max_seq_len,
             "max_audio_chunks": opts.max_audio_chunks,
             "source": source_digest(),
+            "namespace": namespace,
             "method": method,
             "debug": opts.debug,
             "format": FORMAT_VERSION,
@@ -284,9 +287,6 @@ def export_bundle(
     model: Voxtral, source: ModelSource, tekken_path: Path, out: Path, opts: ExportOptions, progress=None
 ) -> ExportReport:
     """Build the bundle into `out` (replaced atomically). `progress(method, phase)` is told what runs."""
-    from runner.program import Program  # runtime code; the exporter may use it, never the other way round
-
-    out = Path(out)
     dtype = DTYPES[opts.dtype]
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda: no CUDA device visible to torch")
@@ -308,7 +308,37 @@ def export_bundle(
 
     model = model.to(device=opts.device, dtype=dtype).eval()
     model.setup_caches(opts.max_seq_len, dtype)
-    plans = plan_methods(model, opts)
+    meta = {
+        "family": "voxtral",
+        "config": model.config.to_dict(),
+        "source": source.to_dict(),
+        "max_seq_len": opts.max_seq_len,
+        "max_audio_chunks": opts.max_audio_chunks,
+        "tokens_per_chunk": TOKENS_PER_CHUNK,
+        "tokenizer": "tekken.json",
+        "special_tokens": special,
+    }
+    return build_bundle(model, plan_methods(model, opts), source, tekken_path, meta, out, opts, progress)
+
+
+def build_bundle(
+    model: nn.Module,
+    plans: list[MethodPlan],
+    source: ModelSource,
+    tokenizer_path: Path,
+    meta: dict,
+    out: Path,
+    opts: ExportOptions,
+    progress=None,
+    cache_namespace: str = "",
+    weights_filter=None,
+) -> ExportReport:
+    """What every family shares: compile each method (or take it from the cache), write its weights, the
+    tokenizer (as `meta["tokenizer"]`) and the manifest into a staging directory, run every method against
+    eager, then publish. `weights_filter(method, fqn)` may drop weights a method does not use."""
+    from runner.program import Program  # runtime code; the exporter may use it, never the other way round
+
+    out, dtype = Path(out), DTYPES[opts.dtype]
     cache_root = Path(opts.cache_dir or default_cache_dir()) / "compiled"
     report = ExportReport()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -316,31 +346,32 @@ def export_bundle(
     try:
         debug_dir = stage / "debug" if opts.debug else None
         for plan in plans:
-            key = cache_key(model, source, opts, plan.name)
+            key = cache_key(model, source, opts, plan.name, cache_namespace)
             cached = cache_root / key / f"{plan.name}.so"
             t0 = time.perf_counter()
+            report.cached[plan.name] = cached.is_file()
             if cached.is_file():
                 shutil.copyfile(cached, stage / f"{plan.name}.so")
-                report.cached[plan.name] = True
             else:
                 if progress:
                     progress(plan.name, "compiling")
                 with tempfile.TemporaryDirectory(dir=stage) as work:
-                    so = compile_method(plan, opts, Path(work), debug_dir)
-                    shutil.copyfile(so, stage / f"{plan.name}.so")
+                    shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), stage / f"{plan.name}.so")
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # concurrent exports: unique name
                 shutil.copyfile(stage / f"{plan.name}.so", tmp)
                 tmp.replace(cached)
-                report.cached[plan.name] = False
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
-            save_file({k: v.cpu() for k, v in method_weights(plan).items()}, str(stage / plan.spec.weights))
+            weights = {
+                k: v.cpu()
+                for k, v in method_weights(plan).items()
+                if weights_filter is None or weights_filter(plan.name, k)
+            }
+            save_file(weights, str(stage / plan.spec.weights))
             if progress:
-                progress(
-                    plan.name,
-                    "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s",
-                )
-        shutil.copyfile(tekken_path, stage / "tekken.json")
+                done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"
+                progress(plan.name, done)
+        shutil.copyfile(tokenizer_path, stage / meta["tokenizer"])
 
         files = sorted(p.name for p in stage.iterdir() if p.is_file())
         manifest = Manifest(
@@ -349,17 +380,7 @@ def export_bundle(
             device=opts.device,
             gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
             dtype=_dtype_name(dtype),
-            model={
-                "family": "voxtral",
-                "config": model.config.to_dict(),
-                "source": source.to_dict(),
-                "max_seq_len": opts.max_seq_len,
-                "max_audio_chunks": opts.max_audio_chunks,
-                "tokens_per_chunk": TOKENS_PER_CHUNK,
-                "tokenizer": "tekken.json",
-                "special_tokens": special,
-                "compile_seconds": report.compile_seconds,
-            },
+            model={**meta, "compile_seconds": report.compile_seconds},
             methods={p.name: p.spec for p in plans},
             files=file_entries(stage, files),
             created_by=f"runner {__version__}",
@@ -383,7 +404,7 @@ def self_check(program, plan: MethodPlan, model: Voxtral, dtype: torch.dtype) ->
     """Run the compiled method and eager on the same inputs; abort the export on a mismatch."""
     method = program.methods[plan.name]
     worst = 0.0
-    if isinstance(plan.module, TextDecoder):
+    if plan.spec.state:  # a stateful method (the decoder's KV cache): both sides start empty
         model.reset_caches()
         program.reset_state()
     with torch.no_grad():

@@ -10,21 +10,15 @@ Methods (names and order as a Voxtral bundle, so Program, delegate and `inspect`
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.export import Dim
 
-from runner import __version__
 from runner.audio import N_FRAMES, N_SAMPLES
-from runner.bundle import FORMAT_VERSION, Manifest, MethodSpec, StateSpec, TensorSpec, file_entries, write_manifest
+from runner.bundle import Manifest, MethodSpec, StateSpec, TensorSpec
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource, load_state
 from runner.export.exporter import (
@@ -34,13 +28,8 @@ from runner.export.exporter import (
     MethodPlan,
     _dim,
     _dtype_name,
-    _gpu_arch,
-    _publish,
-    cache_key,
-    compile_method,
-    default_cache_dir,
-    method_weights,
-    self_check,
+    build_bundle,
+    source_digest,
 )
 from runner.export.mel import LogMelSpectrogram
 from runner.export.whisper_model import Whisper, WhisperConfig, WhisperMethods
@@ -132,19 +121,10 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
     ]
 
 
-def _sources_digest() -> str:
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for rel in SOURCE_FILES:
-        h.update((root / rel).read_bytes())
-    return h.hexdigest()
-
-
 def export_whisper_bundle(
     model: Whisper, source: ModelSource, tokenizer_path: Path, out: Path, opts: ExportOptions, progress=None
 ) -> ExportReport:
     """Build a Whisper bundle into `out` (replaced atomically), checked against eager before it is published."""
-    from runner.program import Program
 
     out, dtype, t = Path(out), DTYPES[opts.dtype], model.config.text
     if opts.device == "cuda" and not torch.cuda.is_available():
@@ -154,79 +134,31 @@ def export_whisper_bundle(
     special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
     model = model.to(device=opts.device, dtype=dtype).eval()
     model.setup_caches(opts.max_seq_len, dtype)
-    plans = plan_methods(model, opts)
-    cache_root = Path(opts.cache_dir or default_cache_dir()) / "compiled"
-    extra = _sources_digest()
-    report = ExportReport()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        debug_dir = stage / "debug" if opts.debug else None
-        for plan in plans:
-            key = hashlib.sha256((cache_key(model, source, opts, plan.name) + extra).encode()).hexdigest()[:32]
-            cached = cache_root / f"whisper-{key}" / f"{plan.name}.so"
-            t0 = time.perf_counter()
-            report.cached[plan.name] = cached.is_file()
-            if cached.is_file():
-                shutil.copyfile(cached, stage / f"{plan.name}.so")
-            else:
-                if progress:
-                    progress(plan.name, "compiling")
-                with tempfile.TemporaryDirectory(dir=stage) as work:
-                    shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), stage / f"{plan.name}.so")
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-                shutil.copyfile(stage / f"{plan.name}.so", tmp)
-                tmp.replace(cached)
-            report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
-            unused = UNUSED.get(plan.name, ())
-            weights = {k: v.cpu() for k, v in method_weights(plan).items() if not any(u in k for u in unused)}
-            save_file(weights, str(stage / plan.spec.weights))
-            if progress:
-                done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"
-                progress(plan.name, done)
-        shutil.copyfile(tokenizer_path, stage / TOKENIZER_FILE)
-        files = sorted(p.name for p in stage.iterdir() if p.is_file())
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            torch_version=torch.__version__,
-            device=opts.device,
-            gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
-            dtype=_dtype_name(dtype),
-            model={
-                "family": FAMILY,
-                "config": model.config.to_dict(),
-                "source": source.to_dict(),
-                "max_seq_len": opts.max_seq_len,
-                "max_audio_chunks": 1,  # per encoder call; the runner walks longer audio window by window
-                "tokens_per_chunk": 0,  # the audio is cross-attended: it takes no decoder positions
-                "n_mels": model.config.audio.n_mels,
-                "multilingual": t.vocab_size >= 51865,  # openai/whisper's rule: .en models have 51864 ids
-                "tokenizer": TOKENIZER_FILE,
-                "tokenizer_type": TOKENIZER_TYPE,
-                "special_tokens": special,
-                "compile_seconds": report.compile_seconds,
-            },
-            methods={p.name: p.spec for p in plans},
-            files=file_entries(stage, files),
-            created_by=f"runner {__version__}",
-        )
-        write_manifest(stage, manifest)
-        if opts.check:
-            if progress:
-                progress("all", "checking against eager")
-            with Program.load(stage, device=opts.device) as program:
-                for plan in plans:
-                    if plan.name == "text_decoder":
-                        model.reset_caches()
-                        program.reset_state()
-                    report.max_error[plan.name] = self_check(program, plan, model, dtype)
-        stage.chmod(0o755)
-        _publish(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return report
+    meta = {
+        "family": FAMILY,
+        "config": model.config.to_dict(),
+        "source": source.to_dict(),
+        "max_seq_len": opts.max_seq_len,
+        "max_audio_chunks": 1,  # per encoder call; the runner walks longer audio window by window
+        "tokens_per_chunk": 0,  # the audio is cross-attended: it takes no decoder positions
+        "n_mels": model.config.audio.n_mels,
+        "multilingual": t.vocab_size >= 51865,  # openai/whisper's rule: .en models have 51864 ids
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_type": TOKENIZER_TYPE,
+        "special_tokens": special,
+    }
+    return build_bundle(
+        model,
+        plan_methods(model, opts),
+        source,
+        tokenizer_path,
+        meta,
+        out,
+        opts,
+        progress,
+        cache_namespace="whisper:" + source_digest(SOURCE_FILES),
+        weights_filter=lambda method, fqn: not any(u in fqn for u in UNUSED.get(method, ())),
+    )
 
 
 # ---------------------------------------------------------------- reading a bundle back (eager reference)

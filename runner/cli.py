@@ -216,9 +216,13 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
         f"{c['text']['n_kv_heads']} kv), audio {c['audio']['n_layers']}x{c['audio']['dim']}, "
         f"vocab {c['text']['vocab_size']}"
     )
+    per_chunk = (
+        f"{m['tokens_per_chunk']} decoder positions per chunk"
+        if m["tokens_per_chunk"]
+        else "cross-attended: no decoder positions"
+    )
     console.print(
-        f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s "
-        f"({m['tokens_per_chunk']} tokens per chunk)"
+        f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s per encoder call ({per_chunk})"
     )
     console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
     methods = Table("method", "inputs", "outputs", "state", "library", title="methods")

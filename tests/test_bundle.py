@@ -260,6 +260,20 @@ def test_from_json_on_arbitrary_json_raises_only_bundle_error(value):
     _parse_or_bundle_error(json.dumps(value))
 
 
+def _mutate(d, path, new) -> None:
+    """Replace (or with "delete", remove) the value at `path`; a path an earlier mutation broke is skipped."""
+    parent = d
+    try:
+        for key in path[:-1]:
+            parent = parent[key]
+        if new == "delete":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = new
+    except (KeyError, IndexError, TypeError):
+        pass
+
+
 def _paths(d, prefix=()):
     """Every (path) into a nested JSON value, containers included."""
     yield prefix
@@ -282,16 +296,7 @@ def test_from_json_on_a_mutated_valid_manifest_raises_only_bundle_error(mutation
     format check."""
     d = json.loads(json.dumps(_VALID))
     for path, new in mutations:
-        parent = d
-        try:
-            for key in path[:-1]:
-                parent = parent[key]
-            if new == "delete":
-                del parent[path[-1]]
-            else:
-                parent[path[-1]] = new
-        except (KeyError, IndexError, TypeError):
-            continue  # an earlier mutation removed or replaced this path
+        _mutate(d, path, new)
     _parse_or_bundle_error(json.dumps(d))
 
 
@@ -317,16 +322,7 @@ def test_verify_bundle_on_a_mutated_real_manifest_raises_only_bundle_error(fuzz_
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
         path = data.draw(st.sampled_from(paths), label="path")
         new = data.draw(st.one_of(st.just("delete"), _json), label="value")
-        parent = d
-        try:
-            for key in path[:-1]:
-                parent = parent[key]
-            if new == "delete":
-                del parent[path[-1]]
-            else:
-                parent[path[-1]] = new
-        except (KeyError, IndexError, TypeError):
-            continue  # an earlier mutation removed or replaced this path
+        _mutate(d, path, new)
     try:
         (bundle / MANIFEST_NAME).write_text(json.dumps(d))
         verify_bundle(bundle)

@@ -449,29 +449,9 @@ def test_a_member_under_a_file_is_an_error_not_a_traceback(tmp_path):
 def test_a_fetched_tiny_bundle_runs_the_e2e_check(gh, tmp_path, sleeps, tiny_bundle, capsys):
     """The CI-reproduction path end to end: the real tiny bundle as a CI artifact, fetched through the
     redirect, then the e2e job's check (golden tokens + eager reference) on it."""
-    from runner.cli import main
+    from tests.test_run_cli import assert_e2e_check
 
     gh.add_run(300)
     gh.add_artifact(30, NAME, 300, zip_dir(tiny_bundle))
     dest = get(gh, tmp_path, sleeps, run_id=300)
-    audio = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
-    rc = main(
-        [
-            "run",
-            "--bundle",
-            str(dest),
-            "--audio",
-            str(audio / "speech.wav"),
-            "--audio",
-            str(audio / "short.wav"),
-            "--max-new-tokens",
-            "32",
-            "--expect-tokens",
-            "fixtures/golden/tiny.json",
-            "--reference",
-            "eager",
-        ]
-    )
-    err = capsys.readouterr().err
-    assert rc == 0, err[-2000:]
-    assert err.count("eager reference: match") == 2
+    assert_e2e_check(dest, ["speech.wav", "short.wav"], capsys)

@@ -141,23 +141,16 @@ def test_golden_mismatch_fails_the_run(tiny_bundle, tmp_path, capsys):
     assert rc == 1 and err[-1] == f"error: {AUDIO / 'short.wav'}: tokens differ from golden.json at index 3"
 
 
-def test_golden_tokens_of_the_tiny_bundle_hold(tiny_bundle, capsys):
-    """The same check `nox -s e2e` runs: all fixture files, golden tokens and the eager reference."""
-    names = ["speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav"]
-    rc = main(
-        [
-            "run",
-            "--bundle",
-            str(tiny_bundle),
-            *audio_args(*names),
-            "--max-new-tokens",
-            "32",
-            "--expect-tokens",
-            "fixtures/golden/tiny.json",
-            "--reference",
-            "eager",
-        ]
-    )
+def assert_e2e_check(bundle: Path, names: list[str], capsys) -> None:
+    """What `nox -s e2e` checks: the fixture files against golden tokens and the eager reference."""
+    rc = main(["run", "--bundle", str(bundle), *audio_args(*names), "--max-new-tokens", "32",
+               "--expect-tokens", "fixtures/golden/tiny.json", "--reference", "eager"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 0, err[-2000:]
     assert err.count("eager reference: match") == len(names)
+
+
+def test_golden_tokens_of_the_tiny_bundle_hold(tiny_bundle, capsys):
+    assert_e2e_check(
+        tiny_bundle, ["speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav"], capsys
+    )

@@ -147,11 +147,15 @@ def cache_dir() -> Path:
 
 
 class DigestCache:
-    """Remembers the sha256 of files already hashed, keyed by (path, size, inode, mtime_ns, ctime_ns).
+    """Remembers the sha256 of files already hashed, keyed by (device, inode, size, mtime_ns, ctime_ns).
 
     A 3B bundle is ~9 GB: hashing it on every load would dominate load time. ctime changes on any write to the
     file (and cannot be set from user space), so a stat match means the bytes hashed earlier are still there;
-    anything else is hashed again. `VOXTRAL_RUNNER_REHASH=1` ignores the cache."""
+    anything else is hashed again. The path is not in the key: the exporter hashes its files in a staging
+    directory that is then renamed into place, and the first load must not hash them again.
+    `VOXTRAL_RUNNER_REHASH=1` ignores the cache."""
+
+    MAX_ENTRIES = 4096  # the oldest are dropped on save: the file must not grow with every bundle ever seen
 
     def __init__(self, path: Path | None = None):
         self.path = path or cache_dir() / "digests.json"
@@ -164,7 +168,7 @@ class DigestCache:
     @staticmethod
     def _key(p: Path) -> str:
         st = p.stat()
-        return f"{p.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+        return f"{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
     def sha256(self, p: Path) -> str:
         key = self._key(p)
@@ -174,13 +178,20 @@ class DigestCache:
         self.dirty = True
         return digest
 
+    def sha256_all(self, paths: list[Path]) -> list[str]:
+        """Digests of several files, hashed in parallel (hashlib releases the GIL on large buffers), then saved."""
+        with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
+            digests = list(pool.map(self.sha256, paths))
+        self.save()
+        return digests
+
     def save(self) -> None:
         if not self.dirty:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.entries))
+            tmp.write_text(json.dumps(dict(list(self.entries.items())[-self.MAX_ENTRIES :])))
             tmp.replace(self.path)
         except OSError:
             pass  # a read-only cache only costs time
@@ -198,7 +209,9 @@ def safe_member(bundle_dir: Path, rel: str) -> Path:
 
 
 def file_entries(bundle_dir: Path, names: list[str]) -> dict[str, FileEntry]:
-    return {n: FileEntry(sha256=sha256_file(bundle_dir / n), size=(bundle_dir / n).stat().st_size) for n in names}
+    paths = [bundle_dir / n for n in names]
+    digests = DigestCache().sha256_all(paths)  # remembered: the first load of this bundle need not rehash
+    return {n: FileEntry(sha256=d, size=p.stat().st_size) for n, p, d in zip(names, paths, digests)}
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> Path:
@@ -246,11 +259,7 @@ def verify_bundle(bundle_dir: str | os.PathLike, *, check_digests: bool = True) 
         if size != entry.size:
             raise BundleError(f"{path}: size {size} does not match the manifest ({entry.size})")
     if check_digests:
-        digests = DigestCache()
-        # hashlib releases the GIL on large buffers: the files hash in parallel
-        with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
-            actual = dict(zip(paths, pool.map(digests.sha256, paths.values())))
-        digests.save()
+        actual = dict(zip(paths, DigestCache().sha256_all(list(paths.values()))))
         for rel, entry in manifest.files.items():
             if actual[rel] != entry.sha256:
                 raise BundleError(f"{paths[rel]}: sha256 does not match the manifest (corrupt or modified file)")

@@ -29,6 +29,11 @@ from runner.bundle import (
 from runner.errors import BundleError
 from runner.program import Program
 
+try:
+    from tests.json_paths import mutate, paths
+except ImportError:  # tests/ on sys.path rather than importable as a package
+    from json_paths import mutate, paths
+
 
 @pytest.fixture
 def bundle(tiny_bundle, tmp_path) -> Path:
@@ -260,33 +265,10 @@ def test_from_json_on_arbitrary_json_raises_only_bundle_error(value):
     _parse_or_bundle_error(json.dumps(value))
 
 
-def _mutate(d, path, new) -> None:
-    """Replace (or with "delete", remove) the value at `path`; a path an earlier mutation broke is skipped."""
-    parent = d
-    try:
-        for key in path[:-1]:
-            parent = parent[key]
-        if new == "delete":
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = new
-    except (KeyError, IndexError, TypeError):
-        pass
-
-
-def _paths(d, prefix=()):
-    """Every (path) into a nested JSON value, containers included."""
-    yield prefix
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(d, list):
-        for i, v in enumerate(d):
-            yield from _paths(v, prefix + (i,))
-
-
 _VALID = json.loads(_sample_manifest().to_json())
-_ALL_PATHS = [p for p in _paths(_VALID) if p]
+
+
+_ALL_PATHS = [p for p in paths(_VALID) if p]
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -296,7 +278,7 @@ def test_from_json_on_a_mutated_valid_manifest_raises_only_bundle_error(mutation
     format check."""
     d = json.loads(json.dumps(_VALID))
     for path, new in mutations:
-        _mutate(d, path, new)
+        mutate(d, path, new)
     _parse_or_bundle_error(json.dumps(d))
 
 
@@ -318,11 +300,11 @@ def test_verify_bundle_on_a_mutated_real_manifest_raises_only_bundle_error(fuzz_
     BundleError. A hostile manifest must never surface as a TypeError traceback."""
     bundle, text = fuzz_bundle
     d = json.loads(text)
-    paths = [p for p in _paths(d) if p]
+    candidates = [p for p in paths(d) if p]
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
-        path = data.draw(st.sampled_from(paths), label="path")
+        path = data.draw(st.sampled_from(candidates), label="path")
         new = data.draw(st.one_of(st.just("delete"), _json), label="value")
-        _mutate(d, path, new)
+        mutate(d, path, new)
     try:
         (bundle / MANIFEST_NAME).write_text(json.dumps(d))
         verify_bundle(bundle)

@@ -22,22 +22,16 @@ from pathlib import Path
 
 import atheris
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared JSON-path helpers
+from json_paths import mutate  # noqa: E402
+from json_paths import paths as json_paths  # noqa: E402
+
 with atheris.instrument_imports():
     from runner.bundle import MANIFEST_NAME, Manifest, verify_bundle
     from runner.errors import BundleError
 
 _VALUES = [None, True, 0, -1, 1, 2**63, 1.5, float("inf"), "", "x", "../x.so", "/abs.so", "a\\b", [], {}, [1], {"a": 1},
            {"min": 1, "max": 0}, {"name": "x", "dtype": "float32", "shape": [1]}]  # fmt: skip
-
-
-def _paths(d, prefix=()):
-    yield prefix
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(d, list):
-        for i, v in enumerate(d):
-            yield from _paths(v, prefix + (i,))
 
 
 def mutate_json(data: bytes, max_size: int, seed: int) -> bytes:
@@ -49,17 +43,12 @@ def mutate_json(data: bytes, max_size: int, seed: int) -> bytes:
     if rng.random() < 0.5 or not isinstance(d, dict):
         return atheris.Mutate(data, max_size)
     for _ in range(rng.randint(1, 3)):
-        paths = [p for p in _paths(d) if p]
-        if not paths:
+        candidates = [p for p in json_paths(d) if p]
+        if not candidates:
             break
-        path = rng.choice(paths)
-        parent = d
-        for key in path[:-1]:
-            parent = parent[key]
-        if rng.random() < 0.3:
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = copy.deepcopy(rng.choice(_VALUES))  # a shared value could nest in itself
+        path = rng.choice(candidates)
+        # a deep copy: a shared value could end up nested in itself
+        mutate(d, path, "delete" if rng.random() < 0.3 else copy.deepcopy(rng.choice(_VALUES)))
     out = json.dumps(d).encode()
     return out[:max_size]
 

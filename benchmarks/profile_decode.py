@@ -97,10 +97,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("bundle")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--no-ceilings", action="store_true", help="skip part 1 (the GEMV ceilings)")
     args = p.parse_args()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
-    gemv_ceilings()
+    if not args.no_ceilings:
+        gemv_ceilings()
 
     program = Program.load(args.bundle, device="cuda")
     engine = ProgramEngine(program, cuda_graph=True)

@@ -156,7 +156,7 @@ def bench_hf(
     res = BackendResult(kind, info={"transformers": transformers.__version__})
     device, dtype = plan.device, getattr(torch, manifest.dtype)
     ours = model_from_bundle(bundle, manifest, device=device)  # exactly the bundle's weights
-    state = {k: v for k, v in ours.state_dict().items()}
+    state = ours.to_hf_layout(ours.state_dict())
     try:
         from transformers.initialization import no_init_weights  # from_pretrained skips the random init too
     except ImportError:

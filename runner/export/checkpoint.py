@@ -100,9 +100,11 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
 
 
 def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str, assign: bool = False) -> None:
-    """Strict load with one error listing every missing, unexpected and mis-shaped key. `assign` takes the
+    """Strict load with one error listing every missing, unexpected and mis-shaped key, named as the checkpoint
+    names them (the HF layout; a model with fused projections converts on the way in). `assign` takes the
     tensors as they are (dtype, device) into a model built on the meta device."""
-    expected = model.state_dict()
+    to_hf = getattr(model, "to_hf_layout", lambda s: s)
+    expected, state = to_hf(model.state_dict()), to_hf(state)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong = sorted(
@@ -117,6 +119,7 @@ def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str, assi
     ]
     if problems:
         raise ExportError(f"{source}: checkpoint does not match the config — " + "; ".join(problems))
+    state = getattr(model, "from_hf_layout", lambda s: s)(state)
     if assign:
         model.load_state_dict(state, strict=True, assign=True)
     else:
@@ -151,7 +154,8 @@ def write_tiny_checkpoint(dest: Path) -> Path:
     shutil.copyfile(TINY_CHECKPOINT / "config.json", dest / "config.json")
     shutil.copyfile(FIXTURES / "tekken.json", dest / "tekken.json")
     tmp = dest / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp), metadata={"format": "pt"})
+    hf = model.to_hf_layout(model.state_dict())
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(weights)
     return dest
 

@@ -1,9 +1,11 @@
 """Voxtral in plain PyTorch, written for torch.export.
 
 Parameter names follow what `VoxtralForConditionalGeneration.save_pretrained` writes (`audio_tower.*`,
-`multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`), so a checkpoint's state dict
-loads with `load_state_dict(strict=True)`. The decoder holds a static KV cache as buffers (gpt-fast style): the
-exported text_decoder mutates it in place at `cache_position`.
+`multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`), except that the decoder's
+q/k/v and gate/up projections are fused (`qkv_proj`, `gate_up_proj`): one GEMV instead of three and two per
+decode step (measured on the H200: 2.78 -> 2.28 ms for the step's matmuls). `fuse_hf_state` and `to_hf_state`
+convert between the two layouts. The decoder holds a static KV cache as buffers (gpt-fast style): the exported
+text_decoder mutates it in place at `cache_position`.
 """
 
 from __future__ import annotations
@@ -124,9 +126,7 @@ class Attention(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)  # q, k, v rows
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
@@ -135,9 +135,10 @@ class Attention(nn.Module):
         kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
         # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so they are folded into
         # KV head j's rows ([b, H_kv, S*rep, D]); repeat_interleave would write rep copies of the cache.
-        q = self.q_proj(x).view(b, s, kv, rep, d).permute(0, 2, 1, 3, 4)  # [b, H_kv, S, rep, D]
-        k = self.k_proj(x).view(b, s, kv, d).transpose(1, 2)  # [b, H_kv, S, D]
-        v = self.v_proj(x).view(b, s, kv, d).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).split([c.n_heads * d, kv * d, kv * d], dim=-1)
+        q = q.view(b, s, kv, rep, d).permute(0, 2, 1, 3, 4)  # [b, H_kv, S, rep, D]
+        k = k.view(b, s, kv, d).transpose(1, 2)  # [b, H_kv, S, D]
+        v = v.view(b, s, kv, d).transpose(1, 2)
         q, k = apply_rope(q, cos[:, None, :], sin[:, None, :]), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
         q = q.reshape(b, kv, s * rep, d)
@@ -153,12 +154,57 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.gate_up_proj = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)  # gate rows, then up rows
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# ---------------------------------------------------------------- HF layout <-> fused layout
+
+_FUSED = (
+    ("self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
+    ("mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),
+)
+
+
+def _parts(fused_key: str, suffix: str, names: tuple[str, ...]) -> list[str]:
+    stem = fused_key[: -len(suffix)] + suffix.split(".")[0]
+    return [f"{stem}.{n}.weight" for n in names]
+
+
+def fuse_hf_state(state: dict[str, torch.Tensor], fused_keys) -> dict[str, torch.Tensor]:
+    """An HF-layout state dict -> ours: for each fused key, its parts concatenated along the output rows (a key
+    whose parts are not all there is left as it is, for the caller's missing/unexpected report)."""
+    out = dict(state)
+    for key in fused_keys:
+        for suffix, names in _FUSED:
+            if key.endswith(suffix):
+                parts = _parts(key, suffix, names)
+                if all(p in out for p in parts):
+                    out[key] = torch.cat([out.pop(p) for p in parts])
+    return out
+
+
+def to_hf_state(state: dict[str, torch.Tensor], config: TextConfig) -> dict[str, torch.Tensor]:
+    """Ours -> the HF layout, in the same key order; the parts are views of the fused tensors."""
+    rows = {
+        "q_proj": config.n_heads * config.head_dim,
+        "k_proj": config.n_kv_heads * config.head_dim,
+        "v_proj": config.n_kv_heads * config.head_dim,
+        "gate_proj": config.ffn_dim,
+        "up_proj": config.ffn_dim,
+    }
+    out = {}
+    for key, value in state.items():
+        suffix, names = next(((s, n) for s, n in _FUSED if key.endswith(s)), (None, ()))
+        if suffix is None:
+            out[key] = value
+            continue
+        out.update(zip(_parts(key, suffix, names), value.split([rows[n] for n in names]), strict=True))
+    return out
 
 
 class DecoderLayer(nn.Module):
@@ -240,16 +286,24 @@ class Voxtral(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(ids)
 
+    def to_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict of ours (or already HF-layout) -> the layout save_pretrained writes."""
+        return to_hf_state(state, self.config.text)
+
+    def from_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return fuse_hf_state(state, self.state_dict().keys())
+
     def decoder(self) -> TextDecoder:
         return TextDecoder(self.config.text, self.language_model)
 
     def init_weights(self, seed: int) -> Voxtral:
-        """Deterministic random init (normal(0, initializer_range), norms at one, biases zero)."""
+        """Deterministic random init (normal(0, initializer_range), norms at one, biases zero), drawn per HF-layout
+        tensor (views of the fused ones), so the values do not depend on how we fuse."""
         device = next(self.parameters()).device
         g = torch.Generator(device=device).manual_seed(seed)
         std = self.config.initializer_range
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for name, p in to_hf_state(dict(self.named_parameters()), self.config.text).items():
                 if name.endswith("bias"):
                     p.zero_()
                 elif p.dim() == 1:  # LayerNorm / RMSNorm scales

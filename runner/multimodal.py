@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -81,8 +82,23 @@ class ProgramEngine:
 
 
 def decode_token(e: Engine, token: torch.Tensor, pos: int) -> torch.Tensor:
-    """One decode step: token [1, 1] -> logits [1, V]."""
-    return e.decode(e.embed(token.view(1, 1)), torch.tensor([pos], device=e.device))
+    """One decode step: token [1, 1] -> logits [1, V]. The position is filled on the device (torch.full), not
+    copied from the host: a host copy would wait for the step queued before it."""
+    return e.decode(e.embed(token.view(1, 1)), torch.full((1,), pos, dtype=torch.int64, device=e.device))
+
+
+class _Done:
+    def synchronize(self) -> None:  # CPU work is done when it returns
+        pass
+
+
+def _recorded_event(device: str):
+    """An event recorded on the current stream (CUDA), to wait for exactly the work queued so far."""
+    if torch.device(device).type != "cuda":
+        return _Done()
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
 
 
 class DecodeGraph:
@@ -163,6 +179,19 @@ def chat_prompt(tok: Tekken, audio: np.ndarray, prompt: str) -> list[Segment]:
         TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))),
         AudioSegment(audio),
         TextSegment(tuple(tok.encode(prompt)) + (s("[/INST]"),)),
+    ]
+
+
+def stage(segments: list[Segment], device: str, audio_chunks: int) -> list[torch.Tensor]:
+    """Each segment's input on the device (ids [1, S] int64, or the waveform padded to `audio_chunks` x 30 s),
+    all copied before any compute is queued. A copy from pageable host memory synchronises the stream: made
+    after the audio encoder is queued, it stalls the host for the encoder's whole run, and the decoder's kernel
+    launches then start late instead of being queued ahead."""
+    return [
+        torch.tensor([s.ids], dtype=torch.int64).to(device)
+        if isinstance(s, TextSegment)
+        else torch.from_numpy(pad_to_chunks(s.samples, audio_chunks)).to(device)
+        for s in segments
     ]
 
 
@@ -249,16 +278,15 @@ class MultimodalRunner:
         """Embed every segment in order, then run the decoder once over the whole prompt; returns the last logits
         and the prompt ids (with the [AUDIO] id at every audio position, as HF's input_ids). One decoder call, not
         one per segment: each call streams all the decoder's weights (7.2 GB at 3B), so a 3-segment prompt
-        prefilled piecewise costs two extra weight passes (measured on the H200: TTFT 26.4 ms)."""
+        prefilled piecewise costs two extra weight passes (measured on the H200: TTFT 26.4 -> 16.9 ms)."""
         e, prompt_ids, parts = self.engine, [], []
-        for seg in segments:
+        for seg, x in zip(segments, stage(segments, e.device, e.max_audio_chunks)):
             if isinstance(seg, TextSegment):
                 self._check_fits(len(prompt_ids), len(seg.ids))  # before embedding: the method refuses long ids
-                parts.append(e.embed(torch.tensor([seg.ids], dtype=torch.int64, device=e.device)))
+                parts.append(e.embed(x))
                 prompt_ids += seg.ids
             else:
-                wave = torch.from_numpy(pad_to_chunks(seg.samples, e.max_audio_chunks)).to(e.device)
-                embeds = e.encode(to_encoder_dtype(e.preprocess(wave), e.encoder_dtype))
+                embeds = e.encode(to_encoder_dtype(e.preprocess(x), e.encoder_dtype))
                 self._check_fits(len(prompt_ids), embeds.shape[1])
                 parts.append(embeds)
                 prompt_ids += [self.audio_id] * embeds.shape[1]
@@ -305,32 +333,30 @@ class MultimodalRunner:
         try:
             logits, prompt_ids = self.prefill(segments)
             stats.prompt_eval_end_ms = now_ms()
-            stats.prompt_tokens = pos = len(prompt_ids)
+            stats.prompt_tokens = len(prompt_ids)
             stop = "max_new_tokens"
-            eos = self.tok.eos_id
             limit = opts.max_new_tokens if forced is None else min(opts.max_new_tokens, len(forced))
-            while len(tokens) < limit:
-                if opts.record_logits:
-                    recorded.append(logits.float().cpu())
-                t0 = now_ms()
-                token = sampler(logits) if forced is None else torch.tensor([[forced[len(tokens)]]], device=e.device)
-                tok_id = int(token)  # the one host sync per step: we need the id to stream and to stop
-                stats.aggregate_sampling_time_ms += now_ms() - t0
+
+            def choose(logits: torch.Tensor, n: int) -> torch.Tensor:  # -> token [1, 1] on the device
+                if forced is None:
+                    return sampler(logits)
+                return torch.full((1, 1), forced[n], dtype=torch.int64, device=e.device)
+
+            steps = self._token_stream(logits, len(prompt_ids), limit, choose, opts.record_logits, stats)
+            for tok_id, chosen_from in steps:
                 if not tokens:
                     stats.first_token_ms = now_ms()
                 tokens.append(tok_id)
-                if tok_id == eos and len(tokens) > opts.min_new_tokens and forced is None:
+                if chosen_from is not None:
+                    recorded.append(chosen_from)
+                if tok_id == self.tok.eos_id and len(tokens) > opts.min_new_tokens and forced is None:
                     stop = "eos"
                     break
                 if on_text and tok_id < self.tok.vocab_size:
                     on_text(stream.feed(tok_id))
-                if len(tokens) == limit:
-                    break
-                if pos >= e.max_seq_len:
+            else:
+                if len(tokens) < limit:
                     stop = "context"
-                    break
-                logits = e.decode_token(token, pos)
-                pos += 1
         finally:
             e.reset()
         if on_text:
@@ -340,6 +366,40 @@ class MultimodalRunner:
         stats.finish_memory(e.device)
         text = self.tok.decode([t for t in tokens if t < self.tok.vocab_size and t != self.tok.eos_id])
         return GenerationResult(text, prompt_ids, tokens, stop, stats, recorded)
+
+    def _token_stream(self, logits, pos: int, limit: int, choose, record: bool, stats: Stats):
+        """Yields (token id, the logits it was chosen from or None). After the first token, the next step is
+        queued on the device before the host waits for this one, so the host's per-step work (reading the id,
+        streaming text) overlaps the GPU's and the GPU does not idle between steps (measured on the H200 before:
+        3.08 ms per token end to end vs 2.95 ms per replay). Launches stop at `limit` tokens or the end of the
+        context; a consumer that stops at EOS leaves one queued step behind, which the reset() after it follows
+        on the same stream."""
+        e, queue, n, ahead = self.engine, deque(), 0, 0  # ahead 0 for the first token: it is the TTFT
+
+        def launch(logits: torch.Tensor) -> torch.Tensor:
+            nonlocal n
+            t0 = now_ms()
+            token = choose(logits, n)
+            # copied now: a graph's logits buffer is overwritten by the next step
+            kept = logits.to(torch.float32, copy=True) if record else None
+            queue.append((token.to("cpu", non_blocking=True), kept, _recorded_event(e.device)))
+            n += 1
+            stats.aggregate_sampling_time_ms += now_ms() - t0
+            return token
+
+        if limit < 1:
+            return
+        token = launch(logits)
+        while True:
+            while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
+                token = launch(e.decode_token(token, pos))
+                pos += 1
+            if not queue:
+                return
+            host, kept, done = queue.popleft()
+            done.synchronize()
+            ahead = 1
+            yield int(host), (kept.cpu() if kept is not None else None)
 
     def prompt_for(self, audio_path: str | os.PathLike, prompt: str | None, language: str | None) -> list[Segment]:
         samples = load_audio(audio_path)

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from runner.audio import N_SAMPLES, load_audio, pad_to_chunks
+from runner.audio import N_SAMPLES, load_audio
 from runner.errors import GenerationError, TokenizerError
 from runner.multimodal import (
     AudioSegment,
@@ -26,6 +26,7 @@ from runner.multimodal import (
     ProgramEngine,
     Segment,
     TextSegment,
+    stage,
     to_encoder_dtype,
 )
 from runner.program import Program
@@ -227,17 +228,15 @@ class WhisperRunner(MultimodalRunner):
 
     def prefill(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
         e, pos, prompt_ids, logits = self.engine, 0, [], None
-        for seg in segments:
+        for seg, x in zip(segments, stage(segments, e.device, 1)):  # inputs copied before any compute
             if isinstance(seg, AudioSegment):
-                wave = torch.from_numpy(pad_to_chunks(seg.samples, 1)).to(e.device)
-                e.encode(to_encoder_dtype(e.preprocess(wave), e.encoder_dtype))
+                e.encode(to_encoder_dtype(e.preprocess(x), e.encoder_dtype))
                 continue
             if pos + len(seg.ids) > e.max_seq_len:
                 raise GenerationError(
                     f"the prompt needs {pos + len(seg.ids)} positions, the decoder has {e.max_seq_len}"
                 )
-            ids = torch.tensor([seg.ids], dtype=torch.int64, device=e.device)
-            logits = e.decode(e.embed(ids), self._positions(pos, len(seg.ids)))
+            logits = e.decode(e.embed(x), self._positions(pos, len(seg.ids)))
             prompt_ids += seg.ids
             pos += len(seg.ids)
         if logits is None:

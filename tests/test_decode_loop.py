@@ -1,0 +1,123 @@
+"""The decode loop's contract, on a scripted engine whose next token is a known function of (token, position):
+the same tokens and stop reasons as a plain one-step-at-a-time loop, while keeping one step queued ahead; no
+step at or past the end of the context; recorded logits that are the ones each token was chosen from even when
+the engine overwrites one logits buffer every step (as a CUDA-graph replay does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.errors import GenerationError
+from runner.multimodal import GenerationOptions, MultimodalRunner, TextSegment
+from runner.tokenizer import Tekken
+
+TEKKEN = Path(__file__).resolve().parents[1] / "fixtures" / "tekken.json"
+V, EOS = 64, 2
+
+
+def next_token(token: int, pos: int) -> int:
+    """The scripted model: token 2 (EOS) comes out whenever (3 * token + pos) % 17 == 0."""
+    return 2 if (3 * token + pos) % 17 == 0 else 10 + (5 * token + pos) % (V - 10)
+
+
+class ScriptedEngine:
+    device, max_audio_chunks, encoder_dtype = "cpu", 1, torch.float32
+
+    def __init__(self, max_seq_len: int = 512):
+        self.max_seq_len = max_seq_len
+        self.logits = torch.zeros(1, V)  # one buffer, overwritten by every call
+        self.steps: list[tuple[int, int]] = []  # (token, position) of every decode step
+
+    def _emit(self, token: int) -> torch.Tensor:
+        self.logits.zero_()
+        self.logits[0, token] = 1.0
+        return self.logits
+
+    def embed(self, ids):
+        return ids.float().unsqueeze(-1)  # [1, S, 1]: the ids themselves, for decode to read
+
+    def decode(self, embeds, pos):
+        return self._emit(next_token(int(embeds[0, -1, 0]), int(pos[-1])))
+
+    def decode_token(self, token, pos):
+        self.steps.append((int(token), pos))
+        return self._emit(next_token(int(token), pos))
+
+    def reset(self):
+        pass
+
+
+def reference(prompt: list[int], opts: GenerationOptions, max_seq_len: int) -> tuple[list[int], str]:
+    """The loop as written before the lookahead: choose, read, stop checks, then the next step."""
+    token, pos, tokens = next_token(prompt[-1], len(prompt) - 1), len(prompt), []
+    while True:
+        tokens.append(token)
+        if token == EOS and len(tokens) > opts.min_new_tokens:
+            return tokens, "eos"
+        if len(tokens) == opts.max_new_tokens:
+            return tokens, "max_new_tokens"
+        if pos >= max_seq_len:
+            return tokens, "context"
+        token, pos = next_token(token, pos), pos + 1
+
+
+def generate(prompt, opts, max_seq_len=512, **kw):
+    engine = ScriptedEngine(max_seq_len)
+    runner = MultimodalRunner(engine, Tekken.from_file(TEKKEN))
+    return engine, runner.generate([TextSegment(tuple(prompt))], opts, **kw)
+
+
+@pytest.mark.parametrize("first", [1, 4, 7, 11, 30, 45])
+@pytest.mark.parametrize("max_new, min_new", [(1, 0), (5, 0), (40, 0), (40, 40), (200, 0)])
+def test_tokens_and_stop_reason_match_the_one_step_loop(first, max_new, min_new):
+    prompt = [1, first]
+    opts = GenerationOptions(max_new_tokens=max_new, min_new_tokens=min_new)
+    engine, result = generate(prompt, opts)
+    want, reason = reference(prompt, opts, engine.max_seq_len)
+    assert (result.tokens, result.stop_reason) == (want, reason)
+    # every step fed the token before it, at consecutive positions
+    fed = [t for t, _ in engine.steps]
+    assert fed[: len(want) - 1] == want[:-1]
+    assert [p for _, p in engine.steps] == list(range(len(prompt), len(prompt) + len(engine.steps)))
+    # one step queued past the last token read at most, and none past the token limit
+    assert len(want) - 1 <= len(engine.steps) <= min(len(want), max_new - 1)
+
+
+@pytest.mark.parametrize("max_seq_len", [3, 5, 9])
+def test_context_end_stops_without_a_step_past_it(max_seq_len):
+    prompt = [1, 4]
+    opts = GenerationOptions(max_new_tokens=100, min_new_tokens=100)
+    engine, result = generate(prompt, opts, max_seq_len=max_seq_len)
+    want, reason = reference(prompt, opts, max_seq_len)
+    assert (result.tokens, result.stop_reason) == (want, "context") and reason == "context"
+    assert max(p for _, p in engine.steps) == max_seq_len - 1
+
+
+def test_recorded_logits_are_each_tokens_own_despite_one_shared_buffer():
+    opts = GenerationOptions(max_new_tokens=30, min_new_tokens=30, record_logits=True)
+    _, result = generate([1, 4], opts)
+    assert len(result.logits) == len(result.tokens) == 30
+    assert [int(x.argmax()) for x in result.logits] == result.tokens
+
+
+def test_forced_tokens_are_fed_and_returned():
+    forced = [20, 21, 2, 23, 24]
+    engine, result = generate([1, 4], GenerationOptions(max_new_tokens=10), forced=forced)
+    assert result.tokens == forced and result.stop_reason == "max_new_tokens"  # EOS does not stop teacher forcing
+    assert [t for t, _ in engine.steps] == forced[:-1]
+
+
+def test_text_streams_only_read_tokens():
+    seen = []
+    _, result = generate([1, 4], GenerationOptions(max_new_tokens=12), on_text=seen.append)
+    tok = Tekken.from_file(TEKKEN)
+    assert "".join(seen) == tok.decode([t for t in result.tokens if t != EOS])
+
+
+def test_empty_prompt_is_an_error():
+    runner = MultimodalRunner(ScriptedEngine(), Tekken.from_file(TEKKEN))
+    with pytest.raises(GenerationError, match="empty prompt"):
+        runner.generate([], GenerationOptions())

@@ -335,11 +335,17 @@ def bench_eager(bundle: Path, manifest: Manifest, plan: Plan, tok: Tekken, clock
 
 
 def _git_sha() -> str:
+    """The commit measured; "-dirty" when tracked files differ from it (a copied working tree whose history is
+    stale says so, rather than naming a commit whose code did not run)."""
     if os.environ.get("GITHUB_SHA"):
         return os.environ["GITHUB_SHA"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "unknown"
+        git = ["git", "-C", str(REPO)]
+        sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, timeout=30)
+        return sha + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

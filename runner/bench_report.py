@@ -93,6 +93,10 @@ class Summary:
         )
 
 
+def short_sha(sha: str, n: int) -> str:
+    return sha[:n] + ("-dirty" if sha.endswith("-dirty") else "")
+
+
 def ratio(fig: Figure, ours: float, peer: float) -> float | None:
     """How many times better ours is (above 1: ours is faster / leaner)."""
     num, den = (peer, ours) if fig.better == "lower" else (ours, peer)
@@ -296,7 +300,7 @@ def markdown(run: BenchRun) -> str:
         f"### Voxtral benchmark: {ctx['model']} on {ctx['device']} ({ctx['dtype']})",
         "",
         f"bundle `{ctx['bundle']}` (manifest sha256 {ctx['bundle_digest'][:12]}), torch {ctx['torch_version']}, "
-        f"git {ctx['git_sha'][:12]}, {ctx['arch']}; {ctx['runs']} runs after {ctx['warmup']} warm-up; "
+        f"git {short_sha(ctx['git_sha'], 12)}, {ctx['arch']}; {ctx['runs']} runs after {ctx['warmup']} warm-up; "
         f"per method: {ctx['chunks']} chunk(s), prefill {ctx['prefill_tokens']} tokens; e2e: "
         f"`{Path(ctx['audio']).name}` ({ctx['audio_seconds']} s), {ctx['new_tokens']} new tokens; "
         f"load average {ctx.get('load_average', '?')} at the end",
@@ -374,7 +378,9 @@ def write_chart(run: BenchRun, path: Path) -> None:
     except ValueError:  # matplotlib < 3.7 has no "outside" placement
         axes[0].legend(handles=handles, loc="lower right")
     ctx = run.context
-    fig.suptitle(f"Voxtral {ctx['model']} on {ctx['arch']} ({ctx['device']}, {ctx['dtype']}), git {ctx['git_sha'][:8]}")
+    fig.suptitle(
+        f"Voxtral {ctx['model']} on {ctx['arch']} ({ctx['device']}, {ctx['dtype']}), git {short_sha(ctx['git_sha'], 8)}"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -212,3 +212,23 @@ def test_hf_peer_runs_with_the_same_weights(tiny_bundle, tmp_path):
     assert {"audio_encoder_ms", "text_decoder_prefill_ms", "text_decoder_decode_ms", "e2e_total_ms"} <= set(hf)
     # greedy, fp32, same weights: transformers' generate() picks exactly our tokens
     assert hf["e2e_total_ms"]["model"]["extra_info"]["tokens_match_ours"] == "true"
+
+
+def test_git_sha_says_dirty_when_tracked_files_differ_from_the_commit(tmp_path, monkeypatch):
+    import subprocess
+
+    from runner import bench
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f.py").write_text("a\n")
+    subprocess.run([*git, "add", "f.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    monkeypatch.delenv("GITHUB_SHA", raising=False)
+    monkeypatch.setattr(bench, "REPO", tmp_path)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert bench._git_sha() == head
+    (tmp_path / "new_untracked.txt").write_text("ignored\n")  # untracked files do not make it dirty
+    assert bench._git_sha() == head
+    (tmp_path / "f.py").write_text("b\n")
+    assert bench._git_sha() == head + "-dirty"

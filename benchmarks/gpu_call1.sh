@@ -17,7 +17,7 @@ grep -E "eager ref|error" $R/tiny_cuda_graph.log | head -5; tail -4 $R/tiny_cuda
   --max-seq-len 1024 --max-audio-chunks 1 --out artifacts/3b > $R/3b_export.log 2>&1
 grep -E "compiled|error vs|Elapsed|Maximum resident|^error" $R/3b_export.log
 ls -l artifacts/3b | tee $R/3b_sizes.txt
-tar czf $OUT/cache.tgz .cache/vr/compiled
+tar czf $OUT/cache.tgz "$VOXTRAL_RUNNER_CACHE/compiled"
 S=$A/speech.wav
 timeout 120 python3 -m runner run --bundle artifacts/3b --audio $S --audio $S --audio $S --language en \
   --min-new-tokens 128 --max-new-tokens 128 --reference eager --json > $R/3b_graph.jsonl 2> $R/3b_graph.log; grep -E "eager ref|error" $R/3b_graph.log; tail -10 $R/3b_graph.log

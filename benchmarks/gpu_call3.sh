@@ -8,7 +8,7 @@ A=fixtures/audio
 FILES="--audio $A/speech.wav --audio $A/speech_48k_stereo.wav --audio $A/long_35s.flac --audio $A/short.wav --audio $A/silence.wav"
 timeout 200 python3 -m runner export --preset tiny --device cuda --dtype bf16 --out artifacts/tiny-cuda-bf16 > $R/tiny_export.log 2>&1
 grep -E "compiled|error" $R/tiny_export.log
-rm -rf /tmp/torchinductor_* ~/.cache/torch .cache/vr/compiled
+rm -rf /tmp/torchinductor_* ~/.cache/torch "$VOXTRAL_RUNNER_CACHE/compiled"
 timeout 60 python3 -m runner run --bundle artifacts/tiny-cuda-bf16 $FILES --max-new-tokens 32 --reference eager --json > $R/tiny_cuda_e2e.jsonl 2> $R/tiny_cuda_e2e.log
 grep -E "eager ref|^error" $R/tiny_cuda_e2e.log
 timeout 90 python3 -m runner bench --bundle artifacts/tiny-cuda-bf16 --runs 5 --compare eager,hf,hf-compile \

@@ -8,7 +8,7 @@ R=$OUT; L=/tmp/logs; mkdir -p $L
 /usr/bin/time -v timeout 330 python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
   --max-seq-len 1024 --max-audio-chunks 1 --out artifacts/3b > $L/3b_export.log 2>&1
 grep -E "compiled|error vs|Elapsed|Maximum resident|^error" $L/3b_export.log
-tar czf $R/cache.tgz .cache/vr/compiled
+tar czf $R/cache.tgz "$VOXTRAL_RUNNER_CACHE/compiled"
 timeout 120 python3 benchmarks/profile_decode.py artifacts/3b > $R/3b_profile.md 2> $L/3b_profile.log; tail -3 $L/3b_profile.log
 timeout 170 python3 -m runner bench --bundle artifacts/3b --runs 5 --language en --min-new-tokens 128 --max-new-tokens 128 \
   --compare eager --json $R/bench_3b.json --chart $R/bench_3b.png > $R/bench_3b.md 2> $L/bench_3b.log

@@ -109,6 +109,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def method_spec(name: str, inputs, outputs, state: dict[str, StateSpec] | None = None) -> MethodSpec:
+    """A method's manifest entry: `<name>.so` and `<name>.safetensors`; inputs/outputs as (name, dtype, shape)."""
+    return MethodSpec(
+        name,
+        f"{name}.so",
+        f"{name}.safetensors",
+        [TensorSpec(*x) for x in inputs],
+        [TensorSpec(*x) for x in outputs],
+        state or {},
+    )
+
+
+def kv_cache_state(n_layers: int, shape: list[int], dtype: torch.dtype) -> dict[str, StateSpec]:
+    """The decoder's per-layer K and V cache buffers, as the text_decoder method's state."""
+    return {
+        f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec(list(shape), _dtype_name(dtype))
+        for i in range(n_layers)
+        for kv in ("k_cache", "v_cache")
+    }
+
+
 @dataclass
 class MethodPlan:
     name: str
@@ -131,22 +152,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else Dim.STATIC), Dim("seq", min=1, max=S)
     mel_dims = [_dim(1, K), c.audio.n_mels, 3000]
     decoder = model.decoder()
-    state = {
-        f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec([1, c.text.n_kv_heads, S, c.text.head_dim], _dtype_name(dtype))
-        for i in range(c.text.n_layers)
-        for kv in ("k_cache", "v_cache")
-    }
-
-    def spec(name, inputs, outputs, state=None):
-        return MethodSpec(
-            name,
-            f"{name}.so",
-            f"{name}.safetensors",
-            [TensorSpec(*x) for x in inputs],
-            [TensorSpec(*x) for x in outputs],
-            state or {},
-        )
-
+    state = kv_cache_state(c.text.n_layers, [1, c.text.n_kv_heads, S, c.text.head_dim], dtype)
     small = min(2, K)
     return [
         MethodPlan(
@@ -154,7 +160,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             LogMelSpectrogram(c.audio.n_mels).to(dev),
             (),
             None,
-            spec(
+            method_spec(
                 "preprocessor",
                 [("waveform", "float32", [_dim(N_SAMPLES, K * N_SAMPLES, N_SAMPLES)])],
                 [("mel", "float32", [_dim(1, K), c.audio.n_mels, 3000])],
@@ -166,7 +172,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             AudioEncoderMethod(model),
             (mel(min(2, K)),),
             ({0: chunks},),
-            spec(
+            method_spec(
                 "audio_encoder",
                 [("mel", _dtype_name(dtype), mel_dims)],
                 [("audio_embeds", _dtype_name(dtype), [1, _dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), H])],
@@ -178,7 +184,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             TokenEmbeddingMethod(model),
             (ids(3),),
             ({1: seq},),
-            spec(
+            method_spec(
                 "token_embedding",
                 [("ids", "int64", [1, _dim(1, S)])],
                 [("embeds", _dtype_name(dtype), [1, _dim(1, S), H])],
@@ -190,7 +196,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             decoder,
             (emb(3), torch.arange(3, device=dev)),
             ({1: seq}, {0: seq}),
-            spec(
+            method_spec(
                 "text_decoder",
                 [("embeds", _dtype_name(dtype), [1, _dim(1, S), H]), ("cache_position", "int64", [_dim(1, S)])],
                 [("logits", "float32", [1, c.text.vocab_size])],

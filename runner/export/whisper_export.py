@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch.export import Dim
 
 from runner.audio import N_FRAMES, N_SAMPLES
-from runner.bundle import Manifest, MethodSpec, StateSpec, TensorSpec
+from runner.bundle import Manifest
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource, load_state
 from runner.export.exporter import (
@@ -29,6 +29,8 @@ from runner.export.exporter import (
     _dim,
     _dtype_name,
     build_bundle,
+    kv_cache_state,
+    method_spec,
     source_digest,
 )
 from runner.export.mel import LogMelSpectrogram
@@ -58,22 +60,7 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
     seq = Dim("seq", min=1, max=S)
     m = WhisperMethods.of(model)
     name = _dtype_name(dtype)
-    state = {
-        f"layers.{i}.self_attn.kv_cache.{k}": StateSpec([1, t.n_heads, S, t.head_dim], name)
-        for i in range(t.n_layers)
-        for k in ("k_cache", "v_cache")
-    }
-
-    def spec(method, inputs, outputs, state=None):
-        return MethodSpec(
-            method,
-            f"{method}.so",
-            f"{method}.safetensors",
-            [TensorSpec(*x) for x in inputs],
-            [TensorSpec(*x) for x in outputs],
-            state or {},
-        )
-
+    state = kv_cache_state(t.n_layers, [1, t.n_heads, S, t.head_dim], dtype)
     mel_shape = [1, c.audio.n_mels, N_FRAMES]
     return [
         MethodPlan(
@@ -81,7 +68,7 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
             LogMelSpectrogram(c.audio.n_mels).to(dev),
             (),
             None,
-            spec("preprocessor", [("waveform", "float32", [N_SAMPLES])], [("mel", "float32", mel_shape)]),
+            method_spec("preprocessor", [("waveform", "float32", [N_SAMPLES])], [("mel", "float32", mel_shape)]),
             [(wave(),)],
         ),
         MethodPlan(
@@ -89,7 +76,7 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
             m.audio_encoder,
             (mel(),),
             None,
-            spec("audio_encoder", [("mel", name, mel_shape)], [("cross_kv", name, kv_shape)]),
+            method_spec("audio_encoder", [("mel", name, mel_shape)], [("cross_kv", name, kv_shape)]),
             [(mel(),)],
         ),
         MethodPlan(
@@ -97,7 +84,7 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
             m.token_embedding,
             (ids(3),),
             ({1: seq},),
-            spec("token_embedding", [("ids", "int64", [1, _dim(1, S)])], [("embeds", name, [1, _dim(1, S), d])]),
+            method_spec("token_embedding", [("ids", "int64", [1, _dim(1, S)])], [("embeds", name, [1, _dim(1, S), d])]),
             [(ids(5),), (ids(1),)],
         ),
         MethodPlan(
@@ -105,7 +92,7 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
             m.text_decoder,
             (emb(3), torch.arange(3, device=dev), kv),
             ({1: seq}, {0: seq}, None),
-            spec(
+            method_spec(
                 "text_decoder",
                 [
                     ("embeds", name, [1, _dim(1, S), d]),

@@ -1,0 +1,261 @@
+"""The decode-step kernels (`runner/export/kernels.py`) against cuBLAS and the eager decoder, on the H200.
+
+1. check: each kernel against torch on the 3B shapes (bf16), error relative to the output's scale.
+2. gemv: every (BLOCK_N, BLOCK_K, warps, stages) of a grid per GEMV kind, each over the 30 layers' distinct
+   weights in one CUDA graph (nothing served from L2), against torch's F.linear (cuBLAS) on the same weights.
+3. attention: splits x BLOCK_T at two cache fills, against the written-out attention the exported model uses.
+4. step: the whole decode step (30 layers + lm_head) as one CUDA graph: the eager decoder at S = 1 (cuBLAS), the
+   DecodeStep with the best configs eager, and the DecodeStep under torch.compile (Inductor fuses the rope and
+   the cache write as AOTInductor will); logits compared with the eager decoder.
+
+    python benchmarks/decode_kernels.py --out results.json     (GPU; about 3 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from profile_decode import graph_ms
+
+from runner.export import kernels as K
+from runner.export.config import TextConfig
+from runner.export.decode_step import DecodeStep
+from runner.export.model import KVCache, LanguageModel, TextDecoder
+
+DEV, BF16 = "cuda", torch.bfloat16
+
+
+def build(c: TextConfig, max_seq: int, fill: int) -> LanguageModel:
+    with torch.device(DEV):
+        lm = LanguageModel(c).to(BF16)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters():
+            if p.dim() == 1:  # norm scales near one, so folding them in is tested
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g, device=DEV))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=DEV) * 0.02)
+        for layer in lm.model.layers:
+            layer.self_attn.kv_cache = KVCache(max_seq, c.n_kv_heads, c.head_dim, BF16).to(DEV)
+            for t in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache):
+                t[:, :, :fill].copy_(torch.randn(t[:, :, :fill].shape, generator=g, device=DEV))
+    return lm
+
+
+def rms(x, g, eps):
+    h = x.float()
+    return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gemv_cases(lm: LanguageModel, c: TextConfig):
+    """kind -> (launch(w, config), reference(w), weights per layer, bytes per call)."""
+    x = torch.randn(c.dim, dtype=BF16, device=DEV)
+    xo = torch.randn(c.n_heads * c.head_dim, dtype=BF16, device=DEV)
+    xf = torch.randn(c.ffn_dim, dtype=BF16, device=DEV)
+    g = lm.model.norm.weight
+    L = lm.model.layers
+    eps = c.norm_eps
+    return {
+        "rms qkv": (
+            lambda w, cfg: K._launch_gemv(x, w, g=g, eps=eps, config=cfg),
+            lambda w: F.linear(rms(x, g, eps), w),
+            [la.self_attn.qkv_proj.weight for la in L],
+        ),
+        "add o_proj": (
+            lambda w, cfg: K._launch_gemv(xo, w, residual=x, config=cfg),
+            lambda w: x + F.linear(xo, w),
+            [la.self_attn.o_proj.weight for la in L],
+        ),
+        "rms_glu gate_up": (
+            lambda w, cfg: K._launch_gemv(x, w, g=g, eps=eps, glu=True, config=cfg),
+            lambda w: (lambda gu: F.silu(gu[0]) * gu[1])(F.linear(rms(x, g, eps), w).chunk(2)),
+            [la.mlp.gate_up_proj.weight for la in L],
+        ),
+        "add down": (
+            lambda w, cfg: K._launch_gemv(xf, w, residual=x, config=cfg),
+            lambda w: x + F.linear(xf, w),
+            [la.mlp.down_proj.weight for la in L],
+        ),
+        "rms_f32 lm_head": (
+            lambda w, cfg: K._launch_gemv(x, w, g=g, eps=eps, out_f32=True, config=cfg),
+            lambda w: F.linear(rms(x, g, eps), w).float(),
+            [lm.lm_head.weight] * 4,  # one matrix of 0.8 GB: larger than L2 by itself
+        ),
+    }
+
+
+def rel_err(got, ref) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def sweep_gemv(lm, c, results, quick: bool) -> dict:
+    grid = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3)))
+    if quick:
+        grid = [(8, 512, 4, 1)]
+    best = {}
+    for kind, (launch, ref, ws) in gemv_cases(lm, c).items():
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        err = rel_err(launch(ws[0], K.DEFAULT_GEMV), ref(ws[0]))
+        cublas = graph_ms(
+            lambda ws=ws: [F.linear(torch.zeros(1, w.shape[1], dtype=BF16, device=DEV), w) for w in ws], 20
+        )
+        rows = []
+        t0 = time.time()
+        for cfg in grid:
+            if cfg[1] > triton_next_pow2(ws[0].shape[1]):
+                continue
+            try:
+                ms = graph_ms(lambda f=launch, ws=ws, cfg=cfg: [f(w, cfg) for w in ws], 20)
+            except Exception as e:  # a config Triton cannot compile (registers): skip it, say so
+                print(f"  {kind} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
+            rows.append((ms, cfg))
+        rows.sort()
+        ms, cfg = rows[0]
+        n = ws[0].shape[0] // (2 if "glu" in kind else 1)
+        best[kind] = {
+            "config": cfg,
+            "n": n,
+            "k": ws[0].shape[1],
+            "us_per_call": ms * 1e3 / len(ws),
+            "tb_s": nbytes / ms / 1e9,
+            "cublas_us_per_call": cublas * 1e3 / len(ws),
+            "cublas_tb_s": nbytes / cublas / 1e9,
+            "rel_err": err,
+            "top5": [(round(m * 1e3 / len(ws), 2), c_) for m, c_ in rows[:5]],
+        }
+        b = best[kind]
+        print(
+            f"{kind:16s} best {cfg}: {b['us_per_call']:.1f} us/call {b['tb_s']:.2f} TB/s | cuBLAS "
+            f"{b['cublas_us_per_call']:.1f} us {b['cublas_tb_s']:.2f} TB/s | rel err {err:.1e} | "
+            f"{len(rows)} configs in {time.time() - t0:.0f} s",
+            flush=True,
+        )
+    results["gemv"] = best
+    return best
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def reference_attention(q, kc, vc, pos, rep, d):
+    """The exported model's written-out attention at one position (model.Attention, S = 1)."""
+    kv = kc.shape[1]
+    max_seq = kc.shape[2]
+    qq = q.view(1, kv, rep, d)
+    mask = torch.arange(max_seq, device=DEV)[None, :] <= pos[:, None]
+    scores = torch.matmul(qq, kc.transpose(-1, -2)).float() * d**-0.5
+    scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(vc.dtype), vc).reshape(-1)
+
+
+def sweep_attention(lm, c, results) -> dict:
+    rep, d = c.n_heads // c.n_kv_heads, c.head_dim
+    caches = [(la.self_attn.kv_cache.k_cache, la.self_attn.kv_cache.v_cache) for la in lm.model.layers]
+    q = torch.randn(c.n_heads, d, dtype=BF16, device=DEV)
+    out = {}
+    for fill in (512, 1000):
+        pos = torch.tensor([fill - 1], device=DEV)
+        ref = reference_attention(q, *caches[0], pos, rep, d)
+        ref_ms = graph_ms(lambda p=pos: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
+        rows = []
+        for splits, bt in itertools.product((1, 2, 4, 8, 16), (32, 64, 128)):
+            err = rel_err(K._launch_attention(q, *caches[0], pos, splits, bt), ref)
+            ms = graph_ms(
+                lambda p=pos, s=splits, b=bt: [K._launch_attention(q, kc, vc, p, s, b) for kc, vc in caches], 20
+            )
+            rows.append((ms, splits, bt, err))
+        rows.sort()
+        ms, splits, bt, err = rows[0]
+        out[fill] = {
+            "splits": splits,
+            "block_t": bt,
+            "us_per_layer": ms * 1e3 / len(caches),
+            "reference_us_per_layer": ref_ms * 1e3 / len(caches),
+            "rel_err": err,
+            "max_rel_err_any_config": max(r[3] for r in rows),
+            "top5": [(round(r[0] * 1e3 / len(caches), 2), r[1], r[2]) for r in rows[:5]],
+        }
+        o = out[fill]
+        print(
+            f"attention, {fill} positions: best splits={splits} BLOCK_T={bt} {o['us_per_layer']:.2f} us/layer "
+            f"(written-out {o['reference_us_per_layer']:.2f}); rel err {err:.1e}, worst config "
+            f"{o['max_rel_err_any_config']:.1e}",
+            flush=True,
+        )
+    results["attention"] = out
+    return out
+
+
+def time_steps(lm, c, results, fill: int) -> None:
+    emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
+    pos = torch.tensor([fill], device=DEV)
+    ref_dec, step = TextDecoder(c, lm), DecodeStep(c, lm)
+    caches = [t for la in lm.model.layers for t in (la.self_attn.kv_cache.k_cache, la.self_attn.kv_cache.v_cache)]
+    saved = [t.clone() for t in caches]
+
+    def restore():
+        for t, s in zip(caches, saved):
+            t.copy_(s)
+
+    out = {}
+    with torch.no_grad():
+        restore()
+        ref = ref_dec(emb, pos)
+        restore()
+        got = step(emb, pos)
+        out["eager_rel_err"] = rel_err(got, ref)
+        out["eager_argmax_equal"] = bool(got.argmax() == ref.argmax())
+        out["reference_eager_ms"] = graph_ms(lambda: ref_dec(emb, pos), 20)
+        out["step_eager_ms"] = graph_ms(lambda: step(emb, pos), 20)
+        print(
+            f"step: eager decoder S=1 {out['reference_eager_ms']:.3f} ms | DecodeStep eager "
+            f"{out['step_eager_ms']:.3f} ms | rel err {out['eager_rel_err']:.1e} argmax equal "
+            f"{out['eager_argmax_equal']}",
+            flush=True,
+        )
+        t0 = time.time()
+        compiled = torch.compile(step, fullgraph=True)
+        restore()
+        got = compiled(emb, pos)
+        out["compile_s"] = time.time() - t0
+        out["compiled_rel_err"] = rel_err(got, ref)
+        out["step_compiled_ms"] = graph_ms(lambda: compiled(emb, pos), 50)
+        print(
+            f"step: DecodeStep compiled {out['step_compiled_ms']:.3f} ms ({1e3 / out['step_compiled_ms']:.0f} tok/s) "
+            f"| rel err {out['compiled_rel_err']:.1e} | compile {out['compile_s']:.0f} s",
+            flush=True,
+        )
+    results["step"] = out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="one GEMV config (a smoke run)")
+    ap.add_argument("--fill", type=int, default=512, help="cache positions already written")
+    args = ap.parse_args()
+    c = TextConfig()
+    lm = build(c, 1024, 1000)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        best = sweep_gemv(lm, c, results, args.quick)
+        for kind, b in best.items():
+            K.GEMV_CONFIGS[(kind.split()[0], b["n"], b["k"])] = tuple(b["config"])
+        attn = sweep_attention(lm, c, results)
+        K.ATTN_SPLITS, K.ATTN_BLOCK_T = attn[512]["splits"], attn[512]["block_t"]
+        time_steps(lm, c, results, args.fill)
+    finally:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

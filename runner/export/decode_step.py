@@ -1,0 +1,45 @@
+"""The decoder at one position, as its own method (`text_decoder_step`): a static shape for the decode loop.
+
+The dynamic `text_decoder` serves prefill and decode alike, so its matmuls are the general cuBLAS ones. The step
+method is the same decoder (the same parameters: the runtime binds one copy of the weights and one KV cache to
+both methods) exported for exactly one token. On CUDA it runs the hand-written kernels of `kernels.py`: RMSNorm
+folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and attention over the valid
+positions only. On CPU it is the plain decoder at S = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.export.config import TextConfig
+from runner.export.model import LanguageModel, apply_rope, rope
+
+
+class DecodeStep(nn.Module):
+    """embeds [1, 1, dim], cache_position [1] -> logits [1, vocab] float32; writes the KV cache at that position.
+    Parameter names are the text_decoder's (`layers.*`, `norm`, `lm_head`), so one weights file serves both."""
+
+    def __init__(self, c: TextConfig, lm: LanguageModel):
+        super().__init__()
+        from runner.export import kernels  # noqa: F401  (registers torch.ops.voxtral.*; needs Triton)
+
+        self.c = c
+        self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
+
+    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        c, d, ops = self.c, self.c.head_dim, torch.ops.voxtral
+        x = embeds.reshape(c.dim)
+        cos, sin = rope(cache_position, d, c.rope_theta, embeds.dtype)  # [1, D]: one position, all layers
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
+            q, k, v = qkv.split([c.n_heads * d, c.n_kv_heads * d, c.n_kv_heads * d])
+            q = apply_rope(q.view(c.n_heads, d), cos, sin)
+            k = apply_rope(k.view(c.n_kv_heads, d), cos, sin)
+            kc, vc = attn.kv_cache.update(cache_position, k.view(1, c.n_kv_heads, 1, d), v.view(1, c.n_kv_heads, 1, d))
+            x = ops.gemv_add(ops.decode_attention(q, kc, vc, cache_position), attn.o_proj.weight, x)
+            h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
+            x = ops.gemv_add(h, mlp.down_proj.weight, x)
+        return ops.rms_gemv(x, self.norm.weight, self.lm_head.weight, self.norm.eps, False, True).view(1, -1)

@@ -231,8 +231,8 @@ def bench_methods(
 
 
 class _Synced:
-    """An Engine whose decoder calls return only when the device is done: the runner stamps prompt_eval_end
-    right after the last prefill call, which on CUDA would otherwise be when it was queued."""
+    """An Engine whose prefill returns only when the device is done: the runner stamps prompt_eval_end right
+    after it, which on CUDA would otherwise be when it was queued."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -240,10 +240,10 @@ class _Synced:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def decode(self, embeds, pos):
-        logits = self._engine.decode(embeds, pos)
+    def run_prefill(self, compute, inputs):
+        out = self._engine.run_prefill(compute, inputs)  # not inside: a prefill may be captured as a CUDA graph
         torch.cuda.synchronize()
-        return logits
+        return out
 
 
 def bench_e2e(

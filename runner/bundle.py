@@ -20,7 +20,9 @@ MANIFEST_NAME = "model.pte"
 FORMAT_NAME = "voxtral-aoti-bundle"
 FORMAT_VERSION = 2  # 2: per-chunk digests of large files (version 1 bundles still load)
 CHUNK_BYTES = 64 << 20  # files larger than this also get a sha256 per 64 MiB piece
-METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")  # required
+# Optional: the decoder exported for one token, sharing text_decoder's weights file (and so its KV cache).
+STEP_METHOD = "text_decoder_step"
 UNLISTED_REFUSED = (".so", ".safetensors")  # code and weights: in the bundle only if the manifest pins them
 
 # A dimension is either a fixed int or a dynamic range; `multiple` is for the waveform (whole 30 s chunks).

@@ -123,10 +123,22 @@ def _check_not_stale(path: Path) -> None:
         )
 
 
-class AOTIBackend:
-    """Stateless: all state is in the handles it returns."""
+@dataclass
+class SharedTensors:
+    """What containers borrow, one copy per weights file. Methods exported from one module (text_decoder for
+    prefill, text_decoder_step for decode) name the same weights file: they bind the same weights and the same
+    state, so the decode steps read the KV cache the prefill wrote, and the 7.2 GB of 3B weights load once."""
 
-    def init(self, spec: MethodSpec, bundle_dir: Path, device: str | torch.device) -> Handle:
+    weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by weights file
+    state: dict[tuple[str | None, str], torch.Tensor] = field(default_factory=dict)  # by (weights file, FQN)
+
+
+class AOTIBackend:
+    """Stateless: all state is in the handles it returns (and in the SharedTensors a Program passes in)."""
+
+    def init(
+        self, spec: MethodSpec, bundle_dir: Path, device: str | torch.device, shared: SharedTensors | None = None
+    ) -> Handle:
         device = torch.device(device)
         path = safe_member(Path(bundle_dir), spec.library)
         if not path.is_file():
@@ -170,21 +182,24 @@ class AOTIBackend:
                     f"declares {len(spec.inputs)} / {len(spec.outputs)}"
                 )
             handle.n_outputs = n_out.value
-            self._bind_constants(handle, Path(bundle_dir))
+            self._bind_constants(handle, Path(bundle_dir), shared or SharedTensors())
         except BaseException:
             self.destroy(handle)
             raise
         log.debug("init %s: %d constants, %d state buffers", spec.name, len(handle.constants), len(handle.state))
         return handle
 
-    def _bind_constants(self, h: Handle, bundle_dir: Path) -> None:
+    def _bind_constants(self, h: Handle, bundle_dir: Path, shared: SharedTensors) -> None:
         weights = {}
         if h.spec.weights:
-            wpath = safe_member(bundle_dir, h.spec.weights)
-            try:
-                weights = load_file(str(wpath), device=str(h.device))
-            except Exception as e:  # safetensors raises its own error types for malformed files
-                raise DelegateError(f"{wpath}: cannot read weights ({e})") from None
+            weights = shared.weights.get(h.spec.weights)
+            if weights is None:
+                wpath = safe_member(bundle_dir, h.spec.weights)
+                try:
+                    weights = load_file(str(wpath), device=str(h.device))
+                except Exception as e:  # safetensors raises its own error types for malformed files
+                    raise DelegateError(f"{wpath}: cannot read weights ({e})") from None
+                shared.weights[h.spec.weights] = weights
         n = _sz()
         self._call(h, "AOTInductorModelContainerGetNumConstants", h.container, ctypes.byref(n))
         names: list[bytes] = []
@@ -198,7 +213,15 @@ class AOTIBackend:
             key = fqn.value.decode()
             if key in h.spec.state:
                 st = h.spec.state[key]
-                t = torch.zeros(st.shape, dtype=torch_dtype(st.dtype), device=h.device)
+                t = shared.state.get((h.spec.weights, key))
+                if t is None:
+                    t = torch.zeros(st.shape, dtype=torch_dtype(st.dtype), device=h.device)
+                    shared.state[(h.spec.weights, key)] = t
+                elif list(t.shape) != list(st.shape) or t.dtype != torch_dtype(st.dtype):
+                    raise DelegateError(
+                        f"{h.spec.name}: state {key} is {st.dtype}{list(st.shape)}, another method over "
+                        f"{h.spec.weights} declares {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                    )
                 h.state[key] = t
             elif key in weights:
                 t = weights[key]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +39,7 @@ class Engine(Protocol):
     def decode(self, embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # -> logits [1, V] f32
     def reset(self) -> None: ...
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor: ...  # [1,1] -> logits [1, V]
+    def run_prefill(self, compute: Callable, inputs: list[torch.Tensor]): ...  # compute(*inputs), maybe graphed
 
 
 class ProgramEngine:
@@ -50,20 +51,35 @@ class ProgramEngine:
         self._pre, self._enc, self._emb, self._dec = (
             m[k] for k in ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
         )
+        # The decoder exported for one token (bundles from before it have only text_decoder, which decodes too):
+        # on CUDA it is the hand-written decode kernels (H200, 3B: see benchmarks/NOTES.md).
+        self._step = m.get("text_decoder_step")
         self.use_cuda_graph = cuda_graph and self.device == "cuda"
         self.graph: DecodeGraph | None = None
+        self.prefill_graphs = PrefillGraphs(self) if self.use_cuda_graph else None
+        self.graph_safe = False  # True while a prefill is warmed up or captured: methods run capturably
+
+    def _run(self, method, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.graph_safe:
+            return method.backend.execute(method.handle, list(inputs), graph_safe=True)[0]
+        return method(*inputs)[0]
 
     def preprocess(self, wave):
-        return self._pre(wave)[0]
+        return self._run(self._pre, wave)
 
     def encode(self, mel):
-        return self._enc(mel)[0]
+        return self._run(self._enc, mel)
 
     def embed(self, ids):
-        return self._emb(ids)[0]
+        return self._run(self._emb, ids)
 
     def decode(self, embeds, pos):
-        return self._dec(embeds, pos)[0]
+        return self._run(self._dec, embeds, pos)
+
+    def run_prefill(self, compute, inputs):
+        if self.prefill_graphs is None:
+            return compute(*inputs)
+        return self.prefill_graphs.run(compute, inputs)
 
     def reset(self):
         # Capture before any prefill: the warm-up and the capture write one cache position, wiped here.
@@ -78,13 +94,15 @@ class ProgramEngine:
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         if self.graph is not None:
             return self.graph.step(token, pos)
-        return decode_token(self, token, pos)
+        step = self._step and (lambda embeds, pos: self._step(embeds, pos, *self.graph_inputs())[0])
+        return decode_token(self, token, pos, step)
 
 
-def decode_token(e: Engine, token: torch.Tensor, pos: int) -> torch.Tensor:
-    """One decode step: token [1, 1] -> logits [1, V]. The position is filled on the device (torch.full), not
-    copied from the host: a host copy would wait for the step queued before it."""
-    return e.decode(e.embed(token.view(1, 1)), torch.full((1,), pos, dtype=torch.int64, device=e.device))
+def decode_token(e: Engine, token: torch.Tensor, pos: int, decode=None) -> torch.Tensor:
+    """One decode step: token [1, 1] -> logits [1, V], through `decode` (default: the engine's decoder). The
+    position is filled on the device (torch.full), not copied from the host: a host copy would wait for the step
+    queued before it."""
+    return (decode or e.decode)(e.embed(token.view(1, 1)), torch.full((1,), pos, dtype=torch.int64, device=e.device))
 
 
 class _Done:
@@ -102,7 +120,7 @@ def _recorded_event(device: str):
 
 
 class DecodeGraph:
-    """The decode step (token_embedding + text_decoder at one position) as one CUDA graph.
+    """The decode step (token_embedding + text_decoder_step, or text_decoder, at one position) as one CUDA graph.
 
     Static input tensors (token, position) are rewritten before each replay; the containers run through
     `...RunSingleThreaded` on the capturing stream; the KV cache is our own bound buffer, mutated in place, so
@@ -113,7 +131,7 @@ class DecodeGraph:
         self.engine = engine
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
-        emb, dec = engine._emb, engine._dec
+        emb, dec = engine._emb, engine._step or engine._dec
         extra = list(engine.graph_inputs())
         run = lambda: dec.backend.execute(  # noqa: E731
             dec.handle,
@@ -134,6 +152,51 @@ class DecodeGraph:
         self.pos.fill_(pos)
         self.graph.replay()
         return self.logits  # static: read it before the next step
+
+
+class PrefillGraphs:
+    """The whole prefill (preprocessor, audio_encoder, token_embedding, text_decoder over the prompt) as one CUDA
+    graph per shape of its inputs. Run method by method, the host launches each of its ~800 kernels (3B), and the
+    GPU waits on those launches: on the H200 the methods' kernels took 12.1 ms of a 16.7 ms time to first token.
+    A transcription prompt's shape depends only on the audio's chunk count and the language, so a batch of files
+    repeats one shape. A shape is captured the second time it is seen (its run is the warm-up; the capture
+    itself executes nothing) and replayed from the third; a shape seen once never pays for a capture. The
+    `capacity` most recent graphs are kept: each holds the memory of its prefill's activations."""
+
+    def __init__(self, engine: ProgramEngine, capacity: int = 4):
+        self.engine, self.capacity = engine, capacity
+        self.seen: set[tuple] = set()
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = OrderedDict()
+
+    def run(self, compute: Callable, inputs: list[torch.Tensor]):
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key in self.graphs:
+            graph, static, out = self.graphs[key]
+            self.graphs.move_to_end(key)
+            for s, x in zip(static, inputs):
+                s.copy_(x)
+            graph.replay()
+            return out
+        if key not in self.seen:
+            self.seen.add(key)
+            return compute(*inputs)
+        static = [x.clone() for x in inputs]
+        side = torch.cuda.Stream(device=self.engine.device)
+        side.wait_stream(torch.cuda.current_stream())
+        self.engine.graph_safe = True
+        try:
+            with torch.cuda.stream(side):  # warm-up on the capturing path; its result is this call's
+                result = compute(*static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = compute(*static)
+        finally:
+            self.engine.graph_safe = False
+        self.graphs[key] = (graph, static, out)
+        while len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+        return result
 
 
 def to_encoder_dtype(mel: torch.Tensor, want: torch.dtype) -> torch.Tensor:
@@ -278,22 +341,32 @@ class MultimodalRunner:
         """Embed every segment in order, then run the decoder once over the whole prompt; returns the last logits
         and the prompt ids (with the [AUDIO] id at every audio position, as HF's input_ids). One decoder call, not
         one per segment: each call streams all the decoder's weights (7.2 GB at 3B), so a 3-segment prompt
-        prefilled piecewise costs two extra weight passes (measured on the H200: TTFT 26.4 -> 16.9 ms)."""
-        e, prompt_ids, parts = self.engine, [], []
-        for seg, x in zip(segments, stage(segments, e.device, e.max_audio_chunks)):
-            if isinstance(seg, TextSegment):
-                self._check_fits(len(prompt_ids), len(seg.ids))  # before embedding: the method refuses long ids
-                parts.append(e.embed(x))
-                prompt_ids += seg.ids
-            else:
-                embeds = e.encode(to_encoder_dtype(e.preprocess(x), e.encoder_dtype))
-                self._check_fits(len(prompt_ids), embeds.shape[1])
-                parts.append(embeds)
-                prompt_ids += [self.audio_id] * embeds.shape[1]
-        if not parts:
+        prefilled piecewise costs two extra weight passes (measured on the H200: TTFT 26.4 -> 16.9 ms). The
+        engine may run it all as one CUDA graph (`PrefillGraphs`)."""
+        if not segments:
             raise GenerationError("empty prompt: nothing to prefill")
+        e = self.engine
+        logits, lengths = e.run_prefill(
+            lambda *xs: self._prefill(segments, xs), stage(segments, e.device, e.max_audio_chunks)
+        )
+        prompt_ids: list[int] = []
+        for seg, n in zip(segments, lengths):
+            prompt_ids += list(seg.ids) if isinstance(seg, TextSegment) else [self.audio_id] * n
+        return logits, prompt_ids
+
+    def _prefill(self, segments: list[Segment], inputs) -> tuple[torch.Tensor, list[int]]:
+        """The device work of prefill (no host sync: it may be captured); returns logits and each segment's length."""
+        e, parts, n = self.engine, [], 0
+        for seg, x in zip(segments, inputs):
+            if isinstance(seg, TextSegment):
+                self._check_fits(n, len(seg.ids))  # before embedding: the method refuses long ids
+                parts.append(e.embed(x))
+            else:
+                parts.append(e.encode(to_encoder_dtype(e.preprocess(x), e.encoder_dtype)))
+                self._check_fits(n, parts[-1].shape[1])
+            n += parts[-1].shape[1]
         embeds = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return e.decode(embeds, self._positions(0, embeds.shape[1])), prompt_ids
+        return e.decode(embeds, self._positions(0, n)), [p.shape[1] for p in parts]
 
     def _check_fits(self, pos: int, n: int) -> None:
         if pos + n > self.engine.max_seq_len:

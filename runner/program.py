@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from runner.bundle import Manifest, MethodSpec, verify_bundle
-from runner.delegate import AOTIBackend, Handle
+from runner.delegate import AOTIBackend, Handle, SharedTensors
 from runner.errors import BundleError
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,11 @@ class Program:
         load_ms = {"verify": (time.perf_counter() - t0) * 1e3}
         backend = backend or AOTIBackend()
         methods: dict[str, Method] = {}
+        shared = SharedTensors()  # methods over one weights file bind one copy of its weights and state
         try:
             for name, spec in manifest.methods.items():
                 t = time.perf_counter()
-                methods[name] = Method(backend, backend.init(spec, bundle_dir, device))
+                methods[name] = Method(backend, backend.init(spec, bundle_dir, device, shared))
                 load_ms[name] = (time.perf_counter() - t) * 1e3
                 log.info("loaded %s in %.1f ms", name, load_ms[name])
         except BaseException:
@@ -87,9 +88,13 @@ class Program:
         return self.manifest.device
 
     def reset_state(self) -> None:
-        """Zero the KV cache: each input starts from an empty context."""
+        """Zero the KV cache: each input starts from an empty context (a buffer two methods share, once)."""
+        seen: set[int] = set()
         for m in self.methods.values():
-            m.backend.reset_state(m.handle)
+            for t in m.handle.state.values():
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    t.zero_()
 
     def close(self) -> None:
         for m in self.methods.values():

@@ -18,6 +18,7 @@ from runner.bundle import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     METHOD_NAMES,
+    STEP_METHOD,
     FileEntry,
     Manifest,
     MethodSpec,
@@ -118,7 +119,7 @@ def test_exported_manifest_round_trips(tiny_bundle):
 
 def test_intact_bundle_verifies(bundle):
     m = verify_bundle(bundle)
-    assert set(m.methods) == set(METHOD_NAMES)
+    assert set(m.methods) == {*METHOD_NAMES, STEP_METHOD}
 
 
 # ---------------------------------------------------------------- verify_bundle refuses, naming the file

@@ -49,6 +49,9 @@ class ScriptedEngine:
     def reset(self):
         pass
 
+    def run_prefill(self, compute, inputs):
+        return compute(*inputs)
+
 
 def reference(prompt: list[int], opts: GenerationOptions, max_seq_len: int) -> tuple[list[int], str]:
     """The loop as written before the lookahead: choose, read, stop checks, then the next step."""

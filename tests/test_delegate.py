@@ -27,7 +27,7 @@ from runner.export.checkpoint import model_from_bundle
 from runner.export.mel import LogMelSpectrogram
 from runner.program import Program
 
-METHODS = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+METHODS = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "text_decoder_step")
 RTOL = 1e-5  # fp32: max abs error relative to the reference's largest magnitude
 
 
@@ -112,7 +112,7 @@ def test_methods_interleaved_match_eager(tiny_bundle, tiny_eager):
     text_decoder's code. Here every method runs its own library in any order."""
     e = tiny_eager
     with Program.load(tiny_bundle) as p:
-        assert list(p.methods) == list(METHODS)  # loaded in this order: text_decoder last
+        assert list(p.methods) == list(METHODS)  # loaded in this order: the decoders last
         e.reset()
         p.reset_state()
         enc = run(p, e, "audio_encoder", e.mel_in(2, 1), what="first call, 2 chunks")
@@ -128,6 +128,9 @@ def test_methods_interleaved_match_eager(tiny_bundle, tiny_eager):
         run(p, e, "preprocessor", e.wave(2, 6), what="2 chunks")
         run(p, e, "token_embedding", e.ids(9, 7))
         run(p, e, "text_decoder", e.embeds(3, 8), torch.arange(8, 11), what="3 more at 8..10")
+        # the step method binds text_decoder's KV cache: it attends to the 11 positions written above
+        run(p, e, "text_decoder_step", e.embeds(1, 9), torch.tensor([11]), what="step at 11")
+        run(p, e, "text_decoder", e.embeds(1, 10), torch.tensor([12]), what="and text_decoder sees the step's")
 
 
 def test_two_bundles_side_by_side(tiny_bundle, other_bundle, tiny_eager, other_eager):
@@ -155,7 +158,7 @@ def test_two_bundles_side_by_side(tiny_bundle, other_bundle, tiny_eager, other_e
 
 
 def _load_handles(backend: AOTIBackend, bundle: Path) -> dict:
-    """The four handles of one program (Program.load: verified bundle, manifest order)."""
+    """The five handles of one program (Program.load: verified bundle, manifest order)."""
     program = Program.load(bundle, backend=backend)
     return {name: program.methods[name].handle for name in METHODS}
 
@@ -166,6 +169,7 @@ def _small_inputs(e: Eager, method: str) -> tuple[torch.Tensor, ...]:
         "audio_encoder": (e.mel_in(1, 31),),
         "token_embedding": (e.ids(3, 32),),
         "text_decoder": (e.embeds(2, 33), torch.arange(2)),
+        "text_decoder_step": (e.embeds(1, 34), torch.tensor([0])),
     }[method]
 
 
@@ -181,7 +185,7 @@ def _check_alive(backend: AOTIBackend, handles: dict, expected: dict) -> None:
     for name, h in handles.items():
         if h.alive:
             inputs, want = expected[name]
-            if name == "text_decoder":
+            if name.startswith("text_decoder"):
                 backend.reset_state(h)
             with torch.no_grad():
                 got = backend.execute(h, list(inputs))[0]
@@ -198,7 +202,8 @@ def _expected(e: Eager) -> dict:
 
 
 def test_destroy_in_every_order(tiny_bundle, tiny_eager):
-    """All 24 orders: no crash (each Delete is the container's own), the others keep working in between."""
+    """All 120 orders: no crash (each Delete is the container's own), the others keep working in between (the
+    decoder whose weights and KV cache the other shares, too)."""
     backend = AOTIBackend()
     expected = _expected(tiny_eager)
     for order in itertools.permutations(METHODS):

@@ -18,7 +18,7 @@ from conftest import AUDIO, OTHER_HF_CONFIG
 from safetensors import safe_open
 
 from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK, load_audio, pad_to_chunks
-from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, read_manifest, verify_bundle
+from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METHOD, read_manifest, verify_bundle
 from runner.errors import DelegateError, ExportError
 from runner.export import exporter
 from runner.export.checkpoint import load_checkpoint, model_from_bundle
@@ -68,13 +68,16 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 # ---------------------------------------------------------------- layout and manifest
 
 
-def test_bundle_has_four_methods_each_with_library_and_weights(bundle):
+def test_bundle_has_five_methods_each_with_library_and_weights(bundle):
     m = verify_bundle(bundle)
-    assert set(m.methods) == set(METHOD_NAMES)
+    assert set(m.methods) == {*METHOD_NAMES, STEP_METHOD}
     for name, spec in m.methods.items():
         assert spec.name == name
         assert (bundle / spec.library).is_file() and spec.library == f"{name}.so"
-        assert (bundle / spec.weights).is_file() and spec.weights == f"{name}.safetensors"
+        # the step method is the text_decoder module exported for one token: one weights file, one KV cache
+        weights = "text_decoder" if name == STEP_METHOD else name
+        assert (bundle / spec.weights).is_file() and spec.weights == f"{weights}.safetensors"
+    assert m.methods[STEP_METHOD].state == m.methods["text_decoder"].state
     assert (bundle / "tekken.json").is_file()
 
 
@@ -366,17 +369,17 @@ def test_reexport_hits_the_compile_cache(tiny_bundle, tiny_checkpoint, tmp_path)
     t0 = time.perf_counter()
     report = export_bundle(model, source, tekken, tmp_path / "again", ExportOptions())
     wall = time.perf_counter() - t0
-    assert report.cached == {name: True for name in METHOD_NAMES}
+    assert report.cached == {name: True for name in (*METHOD_NAMES, STEP_METHOD)}
     assert all(s < 1.0 for s in report.compile_seconds.values()), report.compile_seconds
     assert wall < 30, f"a cached re-export took {wall:.1f} s"
     cold = sum(m.model["compile_seconds"].values())
     if cold > 10:  # the session bundle was compiled in this run: a cached export must be far faster
         assert wall < cold / 3, f"cached re-export {wall:.1f} s vs cold compile {cold:.1f} s"
     again = read_manifest(tmp_path / "again")
-    for name in METHOD_NAMES:  # the same libraries and weights
+    for name in (*METHOD_NAMES, STEP_METHOD):  # the same libraries and weights
         for rel in (m.methods[name].library, m.methods[name].weights):
             assert again.files[rel] == m.files[rel], rel
-    assert set(report.max_error) == set(METHOD_NAMES)
+    assert set(report.max_error) == {*METHOD_NAMES, STEP_METHOD}
     assert all(e <= exporter.TOLERANCE[torch.float32] for e in report.max_error.values())
     assert _leftovers(tmp_path) == []
 

@@ -44,3 +44,6 @@ class EagerEngine:
 
     def decode_token(self, token, pos):
         return decode_token(self, token, pos)
+
+    def run_prefill(self, compute, inputs):
+        return compute(*inputs)

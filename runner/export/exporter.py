@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -57,7 +57,15 @@ SPECIAL_TOKENS = {
     "begin_audio": "[BEGIN_AUDIO]",
     "transcribe": "[TRANSCRIBE]",
 }
-SOURCE_FILES = ("export/model.py", "export/exporter.py", "export/mel.py", "export/config.py", "audio.py")
+SOURCE_FILES = (
+    "export/model.py",
+    "export/decode_step.py",
+    "export/kernels.py",
+    "export/exporter.py",
+    "export/mel.py",
+    "export/config.py",
+    "audio.py",
+)
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,7 @@ class MethodPlan:
     dynamic_shapes: object
     spec: MethodSpec
     check_inputs: list[tuple[torch.Tensor, ...]]  # self-check inputs (more than one shape per method)
+    reference: nn.Module | None = None  # what the self-check compares with, if not `module` run eagerly
 
 
 def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
@@ -205,7 +214,34 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             # prefill then one decode step: the second call only matches if the KV cache was mutated
             [(emb(7), torch.arange(7, device=dev)), (emb(1), torch.tensor([7], device=dev))],
         ),
+        MethodPlan(
+            "text_decoder_step",
+            decode_step_module(model, opts.device),
+            (emb(1), torch.tensor([3], device=dev)),
+            None,  # static: one token
+            replace(
+                method_spec(
+                    "text_decoder_step",
+                    [("embeds", _dtype_name(dtype), [1, 1, H]), ("cache_position", "int64", [1])],
+                    [("logits", "float32", [1, c.text.vocab_size])],
+                    state,
+                ),
+                weights="text_decoder.safetensors",  # the same module: one copy of the weights and the KV cache
+            ),
+            # three steps from an empty cache, each attending to the ones before, against the written-out decoder
+            [(emb(1), torch.tensor([i], device=dev)) for i in range(3)],
+            reference=decoder,
+        ),
     ]
+
+
+def decode_step_module(model: Voxtral, device: str) -> nn.Module:
+    """The decoder for one token: the Triton kernels on CUDA; on CPU the decoder itself, exported at S = 1."""
+    if torch.device(device).type == "cuda":
+        from runner.export.decode_step import DecodeStep  # imports Triton
+
+        return DecodeStep(model.config.text, model.language_model)
+    return model.decoder()
 
 
 # ---------------------------------------------------------------- compile, with a cache
@@ -351,6 +387,7 @@ def build_bundle(
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         debug_dir = stage / "debug" if opts.debug else None
+        written: dict[str, set[str]] = {}  # weights file -> its FQNs
         for plan in plans:
             key = cache_key(model, source, opts, plan.name, cache_namespace)
             cached = cache_root / key / f"{plan.name}.so"
@@ -373,7 +410,12 @@ def build_bundle(
                 for k, v in method_weights(plan).items()
                 if weights_filter is None or weights_filter(plan.name, k)
             }
-            save_file(weights, str(stage / plan.spec.weights))
+            if plan.spec.weights in written:  # a second method over one module (text_decoder_step)
+                if written[plan.spec.weights] != set(weights):
+                    raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")
+            else:
+                save_file(weights, str(stage / plan.spec.weights))
+                written[plan.spec.weights] = set(weights)
             if progress:
                 done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"
                 progress(plan.name, done)
@@ -415,7 +457,7 @@ def self_check(program, plan: MethodPlan, model: Voxtral, dtype: torch.dtype) ->
         program.reset_state()
     with torch.no_grad():
         for inputs in plan.check_inputs:
-            want = plan.module(*inputs)
+            want = (plan.reference or plan.module)(*inputs)
             got = method(*inputs)[0]
             if got.shape != want.shape or got.dtype != want.dtype:
                 raise ExportError(

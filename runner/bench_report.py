@@ -32,7 +32,7 @@ class Figure:
     group: str  # "load" | "method" | "e2e" | "memory"
 
 
-METHODS = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+METHODS = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "text_decoder_step")
 FIGURES: tuple[Figure, ...] = (
     Figure("load_verify_ms", "load: bundle verification", "ms", "lower", "load"),
     *(Figure(f"load_{m}_ms", f"load: {m} init", "ms", "lower", "load") for m in METHODS),

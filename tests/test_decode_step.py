@@ -1,0 +1,87 @@
+"""text_decoder_step: the decoder exported for one token. It names text_decoder's weights file, so a Program binds
+one copy of the weights and one KV cache to both; the runner decodes through it; a bundle whose two methods
+disagree on that state is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.bundle import file_entries, read_manifest, write_manifest
+from runner.errors import DelegateError
+from runner.multimodal import GenerationOptions, MultimodalRunner, ProgramEngine
+from runner.program import Program
+from runner.tokenizer import Tekken
+
+AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+
+
+def test_step_binds_text_decoders_weights_and_cache(tiny_bundle):
+    with Program.load(tiny_bundle) as p:
+        dec, step = p.methods["text_decoder"].handle, p.methods["text_decoder_step"].handle
+        assert dec.spec.weights == step.spec.weights == "text_decoder.safetensors"
+        assert dec.constants.keys() == step.constants.keys() and dec.state.keys() == step.state.keys()
+        for key, t in dec.constants.items():  # the same memory, not an equal copy
+            assert step.constants[key].data_ptr() == t.data_ptr(), key
+        for key, t in dec.state.items():
+            assert step.state[key] is t, key
+
+
+def test_step_decodes_from_the_cache_text_decoder_wrote(tiny_bundle):
+    """Prefill with text_decoder, one token with the step method, against text_decoder for both."""
+    g = torch.Generator().manual_seed(3)
+    with Program.load(tiny_bundle) as p, torch.no_grad():
+        dec, step = p.methods["text_decoder"], p.methods["text_decoder_step"]
+        h = dec.spec.inputs[0].shape[2]
+        prompt, token = torch.randn(1, 9, h, generator=g) * 0.5, torch.randn(1, 1, h, generator=g) * 0.5
+        p.reset_state()
+        dec(prompt, torch.arange(9))
+        want = dec(token, torch.tensor([9]))[0]
+        p.reset_state()
+        dec(prompt, torch.arange(9))
+        got = step(token, torch.tensor([9]))[0]
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+        p.reset_state()  # zeroes the shared buffers once, for both methods
+        assert all(t.abs().sum() == 0 for t in p.methods["text_decoder_step"].handle.state.values())
+
+
+def test_runner_decodes_through_the_step_method(tiny_bundle):
+    calls = {"text_decoder": 0, "text_decoder_step": 0}
+    with Program.load(tiny_bundle) as p:
+        for name in calls:
+            method = p.methods[name]
+            p.methods[name] = _Counted(method, calls, name)
+        runner = MultimodalRunner(ProgramEngine(p), Tekken.from_file(tiny_bundle / "tekken.json"))
+        result = runner.generate(
+            runner.prompt_for(AUDIO / "short.wav", None, "en"), GenerationOptions(max_new_tokens=6, min_new_tokens=6)
+        )
+    assert len(result.tokens) == 6
+    assert calls == {"text_decoder": 1, "text_decoder_step": 5}  # the prompt once, then one step per new token
+
+
+class _Counted:
+    def __init__(self, method, calls, name):
+        self.method, self.calls, self.name = method, calls, name
+
+    def __getattr__(self, attr):
+        return getattr(self.method, attr)
+
+    def __call__(self, *inputs):
+        self.calls[self.name] += 1
+        return self.method(*inputs)
+
+
+def test_methods_disagreeing_on_shared_state_are_refused(tiny_bundle, tmp_path):
+    bundle = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    m = read_manifest(bundle)
+    step = m.methods["text_decoder_step"]
+    key = next(iter(step.state))
+    state = {**step.state, key: dataclasses.replace(step.state[key], shape=[2, *step.state[key].shape[1:]])}
+    methods = {**m.methods, step.name: dataclasses.replace(step, state=state)}
+    write_manifest(bundle, dataclasses.replace(m, methods=methods, files=file_entries(bundle, sorted(m.files))))
+    with pytest.raises(DelegateError, match=f"text_decoder_step: state {key} is .* another method over text_decoder"):
+        Program.load(bundle)

@@ -1,0 +1,121 @@
+"""The decode-step Triton kernels (runner/export/kernels.py) against torch, run by Triton's interpreter on the
+CPU (TRITON_INTERPRET=1): the math, the masks at ragged sizes, the split-and-combine of attention, and the whole
+DecodeStep against the written-out decoder. Speed and the compiled path are measured on the H200
+(benchmarks/decode_kernels.py; the export's self-check compares the compiled step with the decoder too).
+The interpreter computes tl.dot on bfloat16 wrongly, so attention and the step run in float16 here."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton compiles anything: kernels become interpreted functions
+pytest.importorskip("triton")
+
+from runner.export import kernels as K  # noqa: E402
+from runner.export.config import preset  # noqa: E402
+from runner.export.decode_step import DecodeStep  # noqa: E402
+from runner.export.model import Voxtral  # noqa: E402
+
+
+def rms(x, g, eps):
+    h = x.float()
+    return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rel(got, want) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def _gemv_inputs(n, k, rows=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    x = torch.randn(k, generator=g).to(bf)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)).to(bf)
+    w = (torch.randn(rows * n, k, generator=g) * 0.05).to(bf)
+    r = torch.randn(n, generator=g).to(bf)
+    return x, norm, w, r
+
+
+# ragged sizes (masks on rows and columns) and exact multiples; configs smaller and larger than the matrix
+SHAPES = [(48, 64), (37, 100), (96, 128)]
+CONFIGS = [(8, 32, 4, 1), (2, 64, 4, 1), (16, 256, 4, 1)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_rms_gemv(n, k, config):
+    x, norm, w, _ = _gemv_inputs(n, k)
+    want = F.linear(rms(x, norm, 1e-5), w)
+    got = K._launch_gemv(x, w, g=norm, eps=1e-5, config=config)
+    assert got.dtype == torch.bfloat16 and got.shape == (n,)
+    assert rel(got, want) < 1e-2  # a bf16 rounding or two: the norm's scale is applied after the sum
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_add(n, k):
+    x, _, w, r = _gemv_inputs(n, k, seed=1)
+    got = K._launch_gemv(x, w, residual=r, config=(4, 32, 4, 1))
+    assert rel(got, r + F.linear(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_rms_gemv_glu(n, k):
+    """The fused gate_up weight: rows [0, n) gate, [n, 2n) up; out = silu(gate) * up."""
+    x, norm, w, _ = _gemv_inputs(n, k, rows=2, seed=2)
+    gate, up = F.linear(rms(x, norm, 1e-5), w).chunk(2)
+    got = K._launch_gemv(x, w, g=norm, eps=1e-5, glu=True, config=(8, 64, 4, 1))
+    assert got.shape == (n,) and rel(got, F.silu(gate) * up) < 2e-2
+
+
+def test_rms_gemv_float32_logits():
+    x, norm, w, _ = _gemv_inputs(96, 128, seed=3)
+    got = K._launch_gemv(x, w, g=norm, eps=1e-5, out_f32=True, config=(8, 64, 4, 1))
+    assert got.dtype == torch.float32 and rel(got, F.linear(rms(x, norm, 1e-5), w).float()) < 1e-2
+
+
+def reference_attention(q, kc, vc, pos):
+    """Query heads j*rep..j*rep+rep-1 against KV head j over positions 0..pos, in float32."""
+    rep = q.shape[0] // kc.shape[1]
+    k = kc[0, :, : pos + 1].float().repeat_interleave(rep, 0)
+    v = vc[0, :, : pos + 1].float().repeat_interleave(rep, 0)
+    p = torch.softmax((q.float()[:, None] @ k.transpose(-1, -2))[:, 0] * q.shape[1] ** -0.5, -1)
+    return (p[:, None] @ v)[:, 0].reshape(-1)
+
+
+@pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
+@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32)])
+def test_decode_attention(pos, splits, block_t):
+    g = torch.Generator().manual_seed(pos)
+    h, kv, d, max_seq = 4, 2, 16, 64
+    q = torch.randn(h, d, generator=g).half()
+    kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).half() for _ in range(2))
+    kc[:, :, pos + 1 :] = 1e4  # past the position: must not be read
+    got = K._launch_attention(q, kc, vc, torch.tensor([pos]), splits, block_t)
+    assert got.shape == (h * d,)
+    assert (got.float() - reference_attention(q, kc, vc, pos)).abs().max() < 2e-3
+
+
+def test_decode_step_matches_the_decoder():
+    """Prefill 8 positions with the written-out decoder, then 3 steps with each; logits and caches agree."""
+    torch.manual_seed(0)
+    m = Voxtral(preset("tiny")).init_weights(0).to(torch.float16)
+    m.setup_caches(64)
+    dec, step = m.decoder(), DecodeStep(m.config.text, m.language_model)
+    caches = [t for layer in dec.layers for t in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache)]
+    e = torch.randn(1, 11, m.config.text.dim, dtype=torch.float16) * 0.5
+    outputs = {}
+    with torch.no_grad():
+        for name, module in (("decoder", dec), ("step", step)):
+            m.reset_caches()
+            dec(e[:, :8], torch.arange(8))
+            logits = [module(e[:, i : i + 1], torch.tensor([i])) for i in range(8, 11)]
+            outputs[name] = (logits, [t.clone() for t in caches])
+    (want, want_kv), (got, got_kv) = outputs["decoder"], outputs["step"]
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        assert rel(a, b) < 1e-2 and a.argmax() == b.argmax()
+    assert max((a - b).abs().max().item() for a, b in zip(got_kv, want_kv)) < 1e-2

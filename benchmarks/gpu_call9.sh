@@ -9,13 +9,13 @@ export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 /usr/bin/time -v timeout 340 python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
   --max-seq-len 1024 --max-audio-chunks 1 --out artifacts/3b > $L/3b_export.log 2>&1
 grep -E "compiled|error vs|Elapsed|^error" $L/3b_export.log; cp $L/3b_export.log $R/3b_export_s11.log
-timeout $((555 - SECONDS)) python3 -m runner bench --bundle artifacts/3b --runs 5 --warmup 2 --language en --min-new-tokens 128 \
+timeout $((495 - SECONDS)) python3 -m runner bench --bundle artifacts/3b --runs 5 --warmup 2 --language en --min-new-tokens 128 \
   --max-new-tokens 128 --compare eager,hf,hf-compile --json $R/bench_3b_s11.json --chart $R/bench_3b_s11.png \
   > $R/bench_3b_s11.md 2> $L/bench_3b_s11.log
 tail -3 $L/bench_3b_s11.log; cat $R/bench_3b_s11.md; cp $L/bench_3b_s11.log $R/
 S=fixtures/audio/speech.wav
-if [ $SECONDS -lt 500 ]; then
-  timeout $((565 - SECONDS)) python3 -m runner run --bundle artifacts/3b --audio $S --audio $S --language en \
+if [ $SECONDS -lt 460 ]; then
+  timeout $((520 - SECONDS)) python3 -m runner run --bundle artifacts/3b --audio $S --audio $S --language en \
     --min-new-tokens 128 --max-new-tokens 128 --reference eager --json > $R/3b_s11_e2e.jsonl 2> $R/3b_s11_e2e.log
   grep -E "eager ref|^error|tokens/s|first generated" $R/3b_s11_e2e.log
 fi

@@ -3,6 +3,7 @@ the eager model for `--reference eager`), so both sides run exactly the same loo
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -15,10 +16,12 @@ import numpy as np
 import torch
 
 from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio, num_chunks, pad_to_chunks
-from runner.errors import AudioError, GenerationError
+from runner.errors import AudioError, DelegateError, GenerationError
 from runner.program import Program
 from runner.stats import Stats, now_ms
 from runner.tokenizer import StreamDecoder, Tekken
+
+log = logging.getLogger(__name__)
 
 # Languages Voxtral transcribes (mistral-common's `lang:xx` prefix).
 LANGUAGES = ("en", "es", "fr", "pt", "hi", "de", "nl", "it")
@@ -166,6 +169,7 @@ class PrefillGraphs:
     def __init__(self, engine: ProgramEngine, capacity: int = 4):
         self.engine, self.capacity = engine, capacity
         self.seen: set[tuple] = set()
+        self.disabled = False
         self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = OrderedDict()
 
     def run(self, compute: Callable, inputs: list[torch.Tensor]):
@@ -177,7 +181,7 @@ class PrefillGraphs:
                 s.copy_(x)
             graph.replay()
             return out
-        if key not in self.seen:
+        if self.disabled or key not in self.seen:
             self.seen.add(key)
             return compute(*inputs)
         static = [x.clone() for x in inputs]
@@ -189,8 +193,13 @@ class PrefillGraphs:
                 result = compute(*static)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = compute(*static)
+            try:
+                with torch.cuda.graph(graph):
+                    out = compute(*static)
+            except (RuntimeError, DelegateError) as e:  # not capturable: the prefill still works, uncaptured
+                log.warning("prefill not captured as a CUDA graph (%s); running it method by method", e)
+                self.disabled = True
+                return result
         finally:
             self.engine.graph_safe = False
         self.graphs[key] = (graph, static, out)

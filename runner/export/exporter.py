@@ -236,8 +236,10 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
 
 
 def decode_step_module(model: Voxtral, device: str) -> nn.Module:
-    """The decoder for one token: the Triton kernels on CUDA; on CPU the decoder itself, exported at S = 1."""
-    if torch.device(device).type == "cuda":
+    """The decoder for one token: the Triton kernels on CUDA; elsewhere, or for a head size the attention kernel
+    cannot tile (a power of two >= 16: tl.dot's minimum), the decoder itself, exported at S = 1."""
+    d = model.config.text.head_dim
+    if torch.device(device).type == "cuda" and d >= 16 and d & (d - 1) == 0:
         from runner.export.decode_step import DecodeStep  # imports Triton
 
         return DecodeStep(model.config.text, model.language_model)

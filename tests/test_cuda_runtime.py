@@ -1,0 +1,92 @@
+"""The CUDA-only runtime paths on a tiny bf16 CUDA bundle: the prefill captured as a CUDA graph the second time a
+prompt shape is seen and replayed after, against the eager-prefill run; the LRU of captured shapes; the decode
+step through text_decoder_step's Triton kernels against text_decoder. Skipped without a GPU (CI has none): run
+`python -m pytest tests/test_cuda_runtime.py tests/test_kernels.py` on the GPU machine. Written in session 11
+after its device time was spent: not yet run on a GPU (benchmarks/NOTES.md, next session's plan)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import AUDIO, export_cached
+
+from runner.audio import load_audio
+from runner.multimodal import GenerationOptions, MultimodalRunner, ProgramEngine, chat_prompt
+from runner.program import Program
+from runner.tokenizer import Tekken
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_bundle(tiny_checkpoint, tmp_path_factory):
+    return export_cached(tiny_checkpoint, tmp_path_factory.mktemp("cuda") / "tiny", device="cuda", dtype="bf16")
+
+
+@pytest.fixture
+def runner(cuda_bundle):
+    with Program.load(cuda_bundle) as program:
+        yield MultimodalRunner(ProgramEngine(program), Tekken.from_file(cuda_bundle / "tekken.json"))
+
+
+OPTS = GenerationOptions(max_new_tokens=8, min_new_tokens=8, record_logits=True)
+
+
+def _prompt(runner, text: str):
+    return chat_prompt(runner.tok, load_audio(AUDIO / "speech.wav"), text)
+
+
+def test_prefill_is_captured_the_second_time_and_replayed(runner):
+    graphs = runner.engine.prefill_graphs
+    prompt = _prompt(runner, "What is said?")
+    eager, captured, replayed = (runner.generate(prompt, OPTS) for _ in range(3))
+    assert not graphs.disabled and len(graphs.graphs) == 1
+    for r in (captured, replayed):
+        assert r.tokens == eager.tokens and r.prompt_ids == eager.prompt_ids
+        for a, b in zip(r.logits, eager.logits):
+            assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def test_a_new_replay_sees_new_inputs(runner):
+    """Two prompts of one shape (same text length, other audio): the replay must not answer with the first's."""
+    samples = load_audio(AUDIO / "speech.wav")
+    a = chat_prompt(runner.tok, samples, "Say it.")
+    b = chat_prompt(runner.tok, samples[::-1].copy(), "Say it.")
+    ra = [runner.generate(a, OPTS) for _ in range(2)][-1]  # eager, then captured
+    rb = runner.generate(b, OPTS)  # replayed with b's inputs
+    runner.engine.prefill_graphs.graphs.clear()
+    runner.engine.prefill_graphs.seen.clear()
+    rb_eager = runner.generate(b, OPTS)
+    assert rb.tokens == rb_eager.tokens
+    assert (rb.logits[0] - rb_eager.logits[0]).abs().max() <= 1e-3 * rb_eager.logits[0].abs().max()
+    assert not torch.equal(rb.logits[0], ra.logits[0])
+
+
+def test_captured_shapes_are_kept_most_recent_first(runner):
+    graphs = runner.engine.prefill_graphs
+    graphs.capacity = 1
+    short, longer = _prompt(runner, "Hi."), _prompt(runner, "Hi there, what is said?")
+    for _ in range(2):
+        runner.generate(short, OPTS)
+    for _ in range(2):
+        runner.generate(longer, OPTS)
+    assert len(graphs.graphs) == 1 and len(graphs.seen) == 2  # the short prompt's graph was dropped
+    again = runner.generate(short, OPTS)  # seen before: captured anew, and correct
+    assert len(graphs.graphs) == 1 and again.tokens == runner.generate(short, OPTS).tokens
+
+
+def test_decode_steps_run_the_kernels_and_match_text_decoder(cuda_bundle):
+    with Program.load(cuda_bundle) as p, torch.no_grad():
+        dec, step = p.methods["text_decoder"], p.methods["text_decoder_step"]
+        h = dec.spec.inputs[0].shape[2]
+        g = torch.Generator().manual_seed(5)
+        prompt = (torch.randn(1, 20, h, generator=g) * 0.5).to("cuda", torch.bfloat16)
+        p.reset_state()
+        dec(prompt[:, :17], torch.arange(17, device="cuda"))
+        for i in range(17, 20):
+            want = dec(prompt[:, i : i + 1], torch.tensor([i], device="cuda"))[0]
+        p.reset_state()
+        dec(prompt[:, :17], torch.arange(17, device="cuda"))
+        for i in range(17, 20):
+            got = step(prompt[:, i : i + 1], torch.tensor([i], device="cuda"))[0]
+        assert (got - want).abs().max() <= 5e-2 * want.abs().max()  # the export self-check's bf16 tolerance

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, GPU call 4 (the last 485 s of device time; gpu_call9.sh never got a machine): the 3B bundle of
+# Session 11, GPU call 4 (never got a machine either; meant for the last 485 s of device time): the 3B bundle of
 # gpu_call8.sh (same code) beside transformers eager and transformers + static cache + torch.compile in one run.
 # No export self-check (gpu_call8.sh ran it on this code) and 3 runs after 2 warm-ups, to fit the time left.
 set -uo pipefail

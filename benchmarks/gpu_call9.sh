@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, GPU call 3: the final 3B numbers with the decode kernels (text_decoder_step) and the prefill graph,
+# Session 11, GPU call 3 (never got a machine: planned for the next session): the final 3B numbers with the decode kernels (text_decoder_step) and the prefill graph,
 # benchmarked beside our eager model, HF and HF + torch.compile in one run (2 warm-ups: a prompt shape is captured
 # as a CUDA graph the second time it is seen), then checked against eager if time is left.
 set -uo pipefail

@@ -33,8 +33,9 @@ def roles(manifest: Manifest) -> dict[str, str]:
     out = {name: "" for name in manifest.files}
     for m in manifest.methods.values():
         out[m.library] = f"{m.name} library"
-        if m.weights:
-            out[m.weights] = f"{m.name} weights"
+        if m.weights:  # one file may serve two methods (text_decoder and text_decoder_step)
+            prior = out[m.weights].removesuffix(" weights") if out.get(m.weights) else ""
+            out[m.weights] = f"{prior + ', ' if prior else ''}{m.name} weights"
     for name in required_files(manifest):
         if name in out:
             out[name] = "tokenizer"
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = table(manifest, args.bundle, digest)
     total = sum(int(r[2]) for r in rows)
-    width = max(len(r[0]) for r in rows)
+    width, role_width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     for name, role, size, sha in rows:
-        print(f"{name:<{width}}  {role:<24}  {human(int(size)):>10}  {sha[:16]}")
+        print(f"{name:<{width}}  {role:<{role_width}}  {human(int(size)):>10}  {sha[:16]}")
     print(f"{args.bundle}: {len(rows)} files, {human(total)}, bundle digest {digest} "
           f"({manifest.device}, {manifest.dtype}, torch {manifest.torch_version})")  # fmt: skip
     for name in unlisted:

@@ -408,15 +408,13 @@ def build_bundle(
                 tmp.replace(cached)
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             weights = {
-                k: v.cpu()
-                for k, v in method_weights(plan).items()
-                if weights_filter is None or weights_filter(plan.name, k)
+                k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)
             }
-            if plan.spec.weights in written:  # a second method over one module (text_decoder_step)
+            if plan.spec.weights in written:  # a second method over one module (text_decoder_step): names only
                 if written[plan.spec.weights] != set(weights):
                     raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")
             else:
-                save_file(weights, str(stage / plan.spec.weights))
+                save_file({k: v.cpu() for k, v in weights.items()}, str(stage / plan.spec.weights))
                 written[plan.spec.weights] = set(weights)
             if progress:
                 done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"

@@ -81,6 +81,12 @@ def test_rms_gemv_float32_logits():
     assert got.dtype == torch.float32 and rel(got, F.linear(rms(x, norm, 1e-5), w).float()) < 1e-2
 
 
+def rope_ref(x, cos, sin):
+    """The model's rotate-half rope in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return x.float() * cos.float() + torch.cat((-x2, x1), dim=-1) * sin.float()
+
+
 def reference_attention(q, kc, vc, pos):
     """Query heads j*rep..j*rep+rep-1 against KV head j over positions 0..pos, in float32."""
     rep = q.shape[0] // kc.shape[1]
@@ -93,15 +99,39 @@ def reference_attention(q, kc, vc, pos):
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
 @pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32)])
 def test_decode_attention(pos, splits, block_t):
+    """Rope on q and the new k, k and v written at pos, attention over 0..pos; the rest of the cache untouched."""
     g = torch.Generator().manual_seed(pos)
     h, kv, d, max_seq = 4, 2, 16, 64
-    q = torch.randn(h, d, generator=g).to(DEV, DOT_DTYPE)
+    qkv = torch.randn((h + 2 * kv) * d, generator=g).to(DEV, DOT_DTYPE)
+    angle = torch.rand(d // 2, generator=g) * 6.28
+    cos, sin = (torch.cat((f(angle), f(angle))).to(DEV, torch.bfloat16) for f in (torch.cos, torch.sin))
     kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
-    kc[:, :, pos + 1 :] = 1e4  # past the position: must not be read
-    got = K._launch_attention(q, kc, vc, torch.tensor([pos], device=DEV), splits, block_t)
+    kc[:, :, pos:], vc[:, :, pos:] = 1e4, 1e4  # the slot to write and those past it: must not be read
+    before = kc.clone(), vc.clone()
+    q, k, v = qkv.view(-1, d).split([h, kv, kv])
+    got = K._launch_attention(qkv, cos, sin, kc, vc, torch.tensor([pos], device=DEV), splits, block_t)
     assert got.shape == (h * d,)
+    want_k, want_v = before[0].clone(), before[1].clone()
+    want_k[0, :, pos], want_v[0, :, pos] = rope_ref(k, cos, sin).to(DOT_DTYPE), v
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    want = reference_attention(rope_ref(q, cos, sin).to(DOT_DTYPE), want_k, want_v, pos)
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
-    assert (got.float() - reference_attention(q, kc, vc, pos)).abs().max() < tol
+    assert (got.float() - want).abs().max() < tol
+
+
+def test_prefetch_is_off_without_a_gpu_target():
+    """No prefetch programs for CPU tensors (the interpreter has no L2), no target, or zero bytes; on a GPU the
+    plan covers the asked bytes in whole chunks, split over the parts (gate_up's halves)."""
+    w = torch.zeros(64, 1024, dtype=torch.bfloat16, device=DEV)
+    assert K._prefetch_plan(w, 0, 1, 4)["programs"] == 0
+    assert K._prefetch_plan(None, 1 << 20, 1, 4)["programs"] == 0
+    plan = K._prefetch_plan(w, 1 << 20, 2, 4)
+    if DEV == "cpu":
+        assert plan["programs"] == 0 and not plan["constexprs"]["PREFETCH"]
+    elif torch.cuda.get_device_capability() >= (9, 0):
+        chunks, total, stride = plan["args"]
+        assert stride == w.numel()  # bytes per half of a bf16 tensor
+        assert chunks * K.PF_CHUNK <= stride and total == 2 * chunks and plan["programs"] >= 1
 
 
 def test_decode_step_matches_the_decoder():

@@ -113,7 +113,9 @@ def test_decode_attention(pos, splits, block_t):
     assert got.shape == (h * d,)
     want_k, want_v = before[0].clone(), before[1].clone()
     want_k[0, :, pos], want_v[0, :, pos] = rope_ref(k, cos, sin).to(DOT_DTYPE), v
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    others = torch.arange(max_seq, device=DEV) != pos
+    assert torch.equal(kc[:, :, others], want_k[:, :, others]) and torch.equal(vc, want_v)
+    assert rel(kc[:, :, pos], want_k[:, :, pos]) < 1e-2  # the roped key: within a rounding (FMA on the GPU)
     want = reference_attention(rope_ref(q, cos, sin).to(DOT_DTYPE), want_k, want_v, pos)
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
     assert (got.float() - want).abs().max() < tol

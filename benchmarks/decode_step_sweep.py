@@ -1,16 +1,19 @@
-"""The whole decode step on the H200 (3B shapes, bf16), by L2-prefetch plan and attention split (issue 6).
+"""The whole decode step on the H200 (3B shapes, bf16), by attention split (issue 6).
 
-1. check: the fused attention (rope and the cache write folded in) against rope + the written-out attention, and a
-   GEMV with prefetch programs against the same GEMV without (must be equal: the prefetch only warms L2).
-2. plans: the DecodeStep run eagerly but captured as one CUDA graph (its ops are the compiled Triton kernels; the
-   rope's cos/sin are a few small torch kernels), for each `PREFETCH_BYTES` plan and attention split. The plan
-   "off" is the session-11 step less the two rope/cache kernels per layer.
-3. compiled: the best plan and "off" under torch.compile (the kernels AOTInductor will put into the `.so`), with
-   the eager decoder at S = 1 (cuBLAS) as the reference, logits compared.
-4. layer timeline: torch.profiler over replays of the best plan and of "off": each kernel slot of a layer, its
-   time and the gap before it, averaged over layers 1-28.
+1. check: the attention kernel (rope, the cache write and the merge of its splits folded in) against rope + the
+   written-out attention, at each split.
+2. splits: the DecodeStep run eagerly but captured as one CUDA graph (its ops are the compiled Triton kernels; the
+   rope's cos/sin and the counters' fill are a few small torch kernels), for each (splits, BLOCK_T).
+3. compiled: the best split under torch.compile (the kernels AOTInductor will put into the `.so`), with the
+   eager decoder at S = 1 (cuBLAS) as the reference, logits compared.
+4. layer timeline: torch.profiler over replays: each kernel slot of a layer, its time and the gap before it,
+   averaged over layers 1-28.
 
-    python benchmarks/decode_step_sweep.py --out results.json     (GPU; about 4 minutes)
+Session 12's first run (`h200/step_sweep_s12.*`) also timed L2-prefetch plans: extra programs issuing
+`cp.async.bulk.prefetch.L2` of the next kernel's weights. Every plan was slower than none (2.36-2.80 ms against
+2.34), and the prefetch was taken out.
+
+    python benchmarks/decode_step_sweep.py --out results.json     (GPU; about 3 minutes)
 """
 
 from __future__ import annotations
@@ -30,31 +33,7 @@ from runner.export.config import TextConfig
 from runner.export.decode_step import DecodeStep
 from runner.export.model import TextDecoder, rope
 
-MB = 1 << 20
-KINDS = ("qkv", "attention", "o_proj", "gate_up", "down", "lm_head")
-
-
-def plan(qkv=0, attention=0, tails=0, lm_head=0) -> dict[str, int]:
-    """`tails`: what o_proj, gate_up and down each prefetch of the next weights, in MB."""
-    return dict(zip(KINDS, (qkv * MB, attention * MB, tails * MB, tails * MB, tails * MB, lm_head * MB)))
-
-
-PLANS = {
-    "off": plan(),
-    "attn24": plan(attention=24),
-    "attn12": plan(attention=12),
-    "tails4": plan(tails=4),
-    "tails8": plan(tails=8),
-    "tails16": plan(tails=16),
-    "attn24+tails4": plan(attention=24, tails=4),
-    "attn24+tails8": plan(attention=24, tails=8),
-    "attn24+tails16": plan(attention=24, tails=16),
-    "attn24+tails24": plan(attention=24, tails=24),
-    "qkv8+attn24+tails8": plan(qkv=8, attention=24, tails=8),
-    "attn24+tails8+lm16": plan(attention=24, tails=8, lm_head=16),
-    "qkv12+attn12+tails8+lm16": plan(qkv=12, attention=12, tails=8, lm_head=16),
-}
-SPLITS = ((8, 64), (1, 128), (4, 128), (8, 128))
+SPLITS = ((8, 64), (1, 128), (4, 64), (4, 128), (8, 32), (16, 32), (16, 64))
 
 
 def check(lm, c, out: dict) -> None:
@@ -77,45 +56,25 @@ def check(lm, c, out: dict) -> None:
     want = torch.matmul(torch.softmax(scores, -1).to(BF16), want_v[:, :, :512]).reshape(-1)
     for splits, bt in SPLITS:
         k2, v2 = kc.clone(), vc.clone()
-        got = K._launch_attention(
-            qkv, cos, sin, k2, v2, pos, splits, bt, pf=la.self_attn.o_proj.weight, pf_bytes=24 * MB
-        )
+        counts = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
+        got = K._launch_attention(qkv, cos, sin, k2, v2, pos, counts, 0, splits, bt)
         out[f"attention {splits}x{bt} rel err"] = rel_err(got, want)
         out[f"attention {splits}x{bt} cache rel err"] = max(rel_err(k2, want_k), rel_err(v2, want_v))
-    x = torch.randn(c.dim, dtype=BF16, device=DEV)
-    w, nxt = la.self_attn.qkv_proj.weight, la.mlp.gate_up_proj.weight
-    g = la.input_layernorm.weight
-    plain = K._launch_gemv(x, w, g=g, eps=c.norm_eps)
-    with_pf = K._launch_gemv(x, w, g=g, eps=c.norm_eps, pf=nxt, pf_bytes=16 * MB, pf_parts=2)
-    out["gemv with prefetch equal"] = bool(torch.equal(plain, with_pf))
+        out[f"attention {splits}x{bt} counts"] = counts.tolist()
     print(json.dumps(out, indent=1), flush=True)
 
 
-def time_plans(step, emb, pos, out: dict) -> tuple[str, tuple[int, int]]:
+def time_splits(step, emb, pos, out: dict) -> tuple[int, int]:
     rows = []
-    for splits, bt in SPLITS[:1]:
-        K.ATTN_SPLITS, K.ATTN_BLOCK_T = splits, bt
-        for name, p in PLANS.items():
-            K.PREFETCH_BYTES.update(p)
-            try:
-                ms = min(graph_ms(lambda: step(emb, pos), 30) for _ in range(3))
-            except Exception as e:  # a plan that cannot compile or run: say so, go on
-                print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            rows.append((ms, name, (splits, bt)))
-            print(f"  {name:28s} splits {splits}x{bt}: {ms:.4f} ms/step ({1e3 / ms:.0f} tok/s)", flush=True)
-    best_name = min(rows)[1] if rows else "off"
-    K.PREFETCH_BYTES.update(PLANS[best_name])
-    for splits, bt in SPLITS[1:]:
-        K.ATTN_SPLITS, K.ATTN_BLOCK_T = splits, bt
+    for split in SPLITS:
+        K.ATTN_SPLITS, K.ATTN_BLOCK_T = split
         ms = min(graph_ms(lambda: step(emb, pos), 30) for _ in range(3))
-        rows.append((ms, best_name, (splits, bt)))
-        print(f"  {best_name:28s} splits {splits}x{bt}: {ms:.4f} ms/step ({1e3 / ms:.0f} tok/s)", flush=True)
+        rows.append((ms, split))
+        print(f"  splits {split[0]:2d} x BLOCK_T {split[1]:3d}: {ms:.4f} ms/step ({1e3 / ms:.0f} tok/s)", flush=True)
     rows.sort()
-    out["plans"] = [(round(ms, 4), name, s) for ms, name, s in rows]
-    ms, name, split = rows[0]
-    print(f"best: {name} splits {split}: {ms:.4f} ms", flush=True)
-    return name, split
+    out["splits"] = [(round(ms, 4), split) for ms, split in rows]
+    print(f"best: {rows[0][1]}: {rows[0][0]:.4f} ms", flush=True)
+    return rows[0][1]
 
 
 def layer_timeline(fn, n_layers: int, title: str, replays: int = 10) -> list:
@@ -190,27 +149,22 @@ def main() -> None:
             print(
                 f"eager decoder S=1 (cuBLAS): {res['reference_eager_ms']:.4f} ms ({time.time() - t0:.0f} s)", flush=True
             )
-            best, split = time_plans(step, emb, pos, res)
+            split = time_splits(step, emb, pos, res)
             K.ATTN_SPLITS, K.ATTN_BLOCK_T = split
-            for name in (best, "off"):
-                K.PREFETCH_BYTES.update(PLANS[name])
-                restore()
-                res[f"eager {name} rel err"] = rel_err(step(emb, pos), ref)
-                res[f"timeline {name}"] = layer_timeline(lambda: step(emb, pos), c.n_layers, f"eager step, {name}")
+            restore()
+            res["eager rel err"] = rel_err(step(emb, pos), ref)
+            res["timeline eager"] = layer_timeline(lambda: step(emb, pos), c.n_layers, f"eager step, splits {split}")
             if not args.no_compile:
-                for name in (best, "off"):
-                    K.PREFETCH_BYTES.update(PLANS[name])
-                    torch._dynamo.reset()
-                    t0 = time.time()
-                    compiled = torch.compile(step, fullgraph=True)
-                    restore()
-                    got = compiled(emb, pos)
-                    r = {"compile_s": time.time() - t0, "rel_err": rel_err(got, ref)}
-                    r["argmax_equal"] = bool(got.argmax() == ref.argmax())
-                    r["ms"] = min(graph_ms(lambda f=compiled: f(emb, pos), 50) for _ in range(3))
-                    res[f"compiled {name}"] = r
-                    print(f"compiled {name}: {r}  ({1e3 / r['ms']:.0f} tok/s)", flush=True)
-                    layer_timeline(lambda f=compiled: f(emb, pos), c.n_layers, f"compiled step, {name}")
+                t0 = time.time()
+                compiled = torch.compile(step, fullgraph=True)
+                restore()
+                got = compiled(emb, pos)
+                r = {"compile_s": time.time() - t0, "rel_err": rel_err(got, ref)}
+                r["argmax_equal"] = bool(got.argmax() == ref.argmax())
+                r["ms"] = min(graph_ms(lambda: compiled(emb, pos), 50) for _ in range(3))
+                res["compiled"] = r
+                print(f"compiled: {r}  ({1e3 / r['ms']:.0f} tok/s)", flush=True)
+                res["timeline compiled"] = layer_timeline(lambda: compiled(emb, pos), c.n_layers, "compiled step")
     finally:
         if args.out:
             with open(args.out, "w") as f:

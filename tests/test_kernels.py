@@ -99,7 +99,8 @@ def reference_attention(q, kc, vc, pos):
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
 @pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32)])
 def test_decode_attention(pos, splits, block_t):
-    """Rope on q and the new k, k and v written at pos, attention over 0..pos; the rest of the cache untouched."""
+    """Rope on q and the new k, k and v written at pos, attention over 0..pos with the splits merged by the last
+    to finish; the rest of the cache untouched."""
     g = torch.Generator().manual_seed(pos)
     h, kv, d, max_seq = 4, 2, 16, 64
     qkv = torch.randn((h + 2 * kv) * d, generator=g).to(DEV, DOT_DTYPE)
@@ -109,8 +110,11 @@ def test_decode_attention(pos, splits, block_t):
     kc[:, :, pos:], vc[:, :, pos:] = 1e4, 1e4  # the slot to write and those past it: must not be read
     before = kc.clone(), vc.clone()
     q, k, v = qkv.view(-1, d).split([h, kv, kv])
-    got = K._launch_attention(qkv, cos, sin, kc, vc, torch.tensor([pos], device=DEV), splits, block_t)
+    counts = torch.zeros(3 * kv, dtype=torch.int32, device=DEV)  # three layers' counters; this is layer 1
+    got = K._launch_attention(qkv, cos, sin, kc, vc, torch.tensor([pos], device=DEV), counts, 1, splits, block_t)
     assert got.shape == (h * d,)
+    # every split of each head counted itself in layer 1's counters (the last one merged); the others untouched
+    assert counts.tolist() == [0] * kv + [splits if splits > 1 else 0] * kv + [0] * kv
     want_k, want_v = before[0].clone(), before[1].clone()
     want_k[0, :, pos], want_v[0, :, pos] = rope_ref(k, cos, sin).to(DOT_DTYPE), v
     others = torch.arange(max_seq, device=DEV) != pos
@@ -119,21 +123,6 @@ def test_decode_attention(pos, splits, block_t):
     want = reference_attention(rope_ref(q, cos, sin).to(DOT_DTYPE), want_k, want_v, pos)
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
     assert (got.float() - want).abs().max() < tol
-
-
-def test_prefetch_is_off_without_a_gpu_target():
-    """No prefetch programs for CPU tensors (the interpreter has no L2), no target, or zero bytes; on a GPU the
-    plan covers the asked bytes in whole chunks, split over the parts (gate_up's halves)."""
-    w = torch.zeros(64, 1024, dtype=torch.bfloat16, device=DEV)
-    assert K._prefetch_plan(w, 0, 1, 4)["programs"] == 0
-    assert K._prefetch_plan(None, 1 << 20, 1, 4)["programs"] == 0
-    plan = K._prefetch_plan(w, 1 << 20, 2, 4)
-    if DEV == "cpu":
-        assert plan["programs"] == 0 and not plan["constexprs"]["PREFETCH"]
-    elif torch.cuda.get_device_capability() >= (9, 0):
-        chunks, total, stride = plan["args"]
-        assert stride == w.numel()  # bytes per half of a bf16 tensor
-        assert chunks * K.PF_CHUNK <= stride and total == 2 * chunks and plan["programs"] >= 1
 
 
 def test_decode_step_matches_the_decoder():

@@ -4,9 +4,11 @@
    written-out attention, at each split.
 2. splits: the DecodeStep run eagerly but captured as one CUDA graph (its ops are the compiled Triton kernels; the
    rope's cos/sin and the counters' fill are a few small torch kernels), for each (splits, BLOCK_T).
-3. compiled: the best split under torch.compile (the kernels AOTInductor will put into the `.so`), with the
+3. GEMV configs in the step: for each GEMV kind in turn, candidates around the isolated sweep's best (and wider
+   K tiles: more bytes in flight per program, fewer dependent loop trips), the others held; the fastest step wins.
+4. compiled: the best split and configs under torch.compile (the kernels AOTInductor will put into the `.so`), with the
    eager decoder at S = 1 (cuBLAS) as the reference, logits compared.
-4. layer timeline: torch.profiler over replays: each kernel slot of a layer, its time and the gap before it,
+5. layer timeline: torch.profiler over replays: each kernel slot of a layer, its time and the gap before it,
    averaged over layers 1-28.
 
 Session 12's first run (`h200/step_sweep_s12.*`) also timed L2-prefetch plans: extra programs issuing
@@ -64,11 +66,55 @@ def check(lm, c, out: dict) -> None:
     print(json.dumps(out, indent=1), flush=True)
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates per GEMV, by K.GEMV_CONFIGS key; the first is the table's
+CANDIDATES = {
+    ("rms", 6144, 3072): [(16, 512, 4, 3), (8, 1024, 4, 1), (16, 1024, 8, 1), (4, 4096, 8, 1), (8, 4096, 8, 1)],
+    ("add", 3072, 4096): [
+        (2, 1024, 8, 1),
+        (2, 4096, 8, 1),
+        (4, 4096, 8, 1),
+        (1, 4096, 4, 1),
+        (2, 2048, 8, 1),
+        (4, 2048, 8, 1),
+    ],
+    ("rms_glu", 8192, 3072): [(16, 256, 4, 1), (8, 1024, 8, 1), (4, 4096, 8, 1), (8, 512, 4, 1), (2, 4096, 4, 1)],
+    ("add", 3072, 8192): [(2, 1024, 4, 3), (2, 8192, 8, 1), (1, 8192, 8, 1), (2, 4096, 8, 1), (4, 4096, 8, 1)],
+}
+
+
+def step_ms(step, emb, pos) -> float:
+    return min(graph_ms(lambda: step(emb, pos), 30) for _ in range(3))
+
+
+def tune_gemvs(step, emb, pos, out: dict) -> None:
+    best_ms = step_ms(step, emb, pos)
+    log = []
+    for key, cands in CANDIDATES.items():
+        best_cfg = K.GEMV_CONFIGS.get(key, K.DEFAULT_GEMV)
+        for cfg in cands:
+            if cfg == best_cfg:
+                continue
+            K.GEMV_CONFIGS[key] = cfg
+            try:
+                ms = step_ms(step, emb, pos)
+            except Exception as e:  # a config Triton cannot compile (registers): skip it, say so
+                print(f"  {key} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            log.append((key, cfg, round(ms, 4)))
+            print(f"  {key} {cfg}: {ms:.4f} ms/step (best so far {best_ms:.4f})", flush=True)
+            if ms < best_ms:
+                best_ms, best_cfg = ms, cfg
+        K.GEMV_CONFIGS[key] = best_cfg
+    out["gemv_tuning"] = log
+    out["gemv_configs"] = {str(k): v for k, v in K.GEMV_CONFIGS.items()}
+    print(f"tuned: {best_ms:.4f} ms/step ({1e3 / best_ms:.0f} tok/s); {out['gemv_configs']}", flush=True)
+
+
 def time_splits(step, emb, pos, out: dict) -> tuple[int, int]:
     rows = []
     for split in SPLITS:
         K.ATTN_SPLITS, K.ATTN_BLOCK_T = split
-        ms = min(graph_ms(lambda: step(emb, pos), 30) for _ in range(3))
+        ms = step_ms(step, emb, pos)
         rows.append((ms, split))
         print(f"  splits {split[0]:2d} x BLOCK_T {split[1]:3d}: {ms:.4f} ms/step ({1e3 / ms:.0f} tok/s)", flush=True)
     rows.sort()
@@ -151,6 +197,7 @@ def main() -> None:
             )
             split = time_splits(step, emb, pos, res)
             K.ATTN_SPLITS, K.ATTN_BLOCK_T = split
+            tune_gemvs(step, emb, pos, res)
             restore()
             res["eager rel err"] = rel_err(step(emb, pos), ref)
             res["timeline eager"] = layer_timeline(lambda: step(emb, pos), c.n_layers, f"eager step, splits {split}")

@@ -39,6 +39,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("load_total_ms", "load: total", "ms", "lower", "load"),
     Figure("preprocessor_ms", "preprocessor", "ms", "lower", "method"),
     Figure("audio_encoder_ms", "audio_encoder", "ms", "lower", "method"),
+    Figure("audio_encoder_graph_ms", "audio_encoder, CUDA graph replay", "ms", "lower", "method"),
     Figure("token_embedding_ms", "token_embedding", "ms", "lower", "method"),
     Figure("text_decoder_prefill_ms", "text_decoder prefill", "ms", "lower", "method"),
     Figure("text_decoder_decode_ms", "text_decoder decode step", "ms", "lower", "method"),

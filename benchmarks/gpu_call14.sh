@@ -6,6 +6,10 @@ set -uo pipefail
 R=$OUT; L=/tmp/logs; mkdir -p $L
 . benchmarks/gpu_setup.sh > $L/env.txt 2>&1; cat $L/env.txt
 export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
+# the kernels against torch first (15 s): a kernel that is wrong on this GPU must not cost the export's 5 minutes
+timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py > $R/kernel_tests_s12c.log 2>&1 \
+  || { tail -30 $R/kernel_tests_s12c.log; exit 1; }
+tail -1 $R/kernel_tests_s12c.log
 /usr/bin/time -v timeout 340 python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
   --max-seq-len 1024 --max-audio-chunks 1 --out artifacts/3b > $L/3b_export.log 2>&1
 grep -E "compiled|error vs|Elapsed|^error" $L/3b_export.log; cp $L/3b_export.log $R/3b_export_s12.log

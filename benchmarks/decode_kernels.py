@@ -171,10 +171,11 @@ def sweep_attention(lm, c, results) -> dict:
         ref_ms = graph_ms(lambda p=pos: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
         for splits, bt in itertools.product((1, 2, 4, 8, 16), (32, 64, 128)):
-            err = rel_err(K._launch_attention(qkv, cos, sin, *caches[0], pos, splits, bt), ref)
+            counts = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
+            err = rel_err(K._launch_attention(qkv, *caches[0], pos, counts, c.rope_theta, 0, splits, bt), ref)
             ms = graph_ms(
-                lambda p=pos, s=splits, b=bt, cs=(cos, sin): [
-                    K._launch_attention(qkv, *cs, kc, vc, p, s, b) for kc, vc in caches
+                lambda p=pos, s=splits, b=bt, n=counts: [  # zeroed for each layer: the step zeroes all once
+                    K._launch_attention(qkv, kc, vc, p, torch.zeros_like(n), c.rope_theta, 0, s, b) for kc, vc in caches
                 ],
                 20,
             )

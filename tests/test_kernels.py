@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from runner.export import kernels as K  # noqa: E402
 from runner.export.config import preset  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
-from runner.export.model import Voxtral  # noqa: E402
+from runner.export.model import Voxtral, rope  # noqa: E402
 
 
 def rms(x, g, eps):
@@ -84,7 +84,7 @@ def test_rms_gemv_float32_logits():
 def rope_ref(x, cos, sin):
     """The model's rotate-half rope in float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    return x.float() * cos.float() + torch.cat((-x2, x1), dim=-1) * sin.float()
+    return x.float() * cos.to(DEV).float() + torch.cat((-x2, x1), dim=-1) * sin.to(DEV).float()
 
 
 def reference_attention(q, kc, vc, pos):
@@ -99,19 +99,19 @@ def reference_attention(q, kc, vc, pos):
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
 @pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32)])
 def test_decode_attention(pos, splits, block_t):
-    """Rope on q and the new k, k and v written at pos, attention over 0..pos with the splits merged by the last
+    """Rope (cos/sin computed in the kernel) on q and the new k, k and v written at pos, attention over 0..pos with the splits merged by the last
     to finish; the rest of the cache untouched."""
     g = torch.Generator().manual_seed(pos)
     h, kv, d, max_seq = 4, 2, 16, 64
     qkv = torch.randn((h + 2 * kv) * d, generator=g).to(DEV, DOT_DTYPE)
-    angle = torch.rand(d // 2, generator=g) * 6.28
-    cos, sin = (torch.cat((f(angle), f(angle))).to(DEV, torch.bfloat16) for f in (torch.cos, torch.sin))
+    theta = 1e6
+    cos, sin = (t[0] for t in rope(torch.tensor([pos]), d, theta, DOT_DTYPE))  # the model's, rounded as it rounds
     kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
     kc[:, :, pos:], vc[:, :, pos:] = 1e4, 1e4  # the slot to write and those past it: must not be read
     before = kc.clone(), vc.clone()
     q, k, v = qkv.view(-1, d).split([h, kv, kv])
     counts = torch.zeros(3 * kv, dtype=torch.int32, device=DEV)  # three layers' counters; this is layer 1
-    got = K._launch_attention(qkv, cos, sin, kc, vc, torch.tensor([pos], device=DEV), counts, 1, splits, block_t)
+    got = K._launch_attention(qkv, kc, vc, torch.tensor([pos], device=DEV), counts, theta, 1, splits, block_t)
     assert got.shape == (h * d,)
     # every split of each head counted itself in layer 1's counters (the last one merged); the others untouched
     assert counts.tolist() == [0] * kv + [splits if splits > 1 else 0] * kv + [0] * kv

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.export.config import TextConfig
-from runner.export.model import LanguageModel, rope
+from runner.export.model import LanguageModel
 
 
 class DecodeStep(nn.Module):
@@ -28,16 +28,15 @@ class DecodeStep(nn.Module):
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        c, d, ops = self.c, self.c.head_dim, torch.ops.voxtral
+        c, ops = self.c, torch.ops.voxtral
         x = embeds.reshape(c.dim)
-        cos, sin = (t.reshape(d) for t in rope(cache_position, d, c.rope_theta, embeds.dtype))  # all layers
         # attention's per-head split counters, every layer's in one buffer: one fill per step
         counts = torch.zeros(c.n_layers * c.n_kv_heads, dtype=torch.int32, device=embeds.device)
         for i, layer in enumerate(self.layers):
             attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
-            a = ops.decode_attention(qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counts, i)
+            a = ops.decode_attention(qkv, kv.k_cache, kv.v_cache, cache_position, counts, c.rope_theta, i)
             x = ops.gemv_add(a, attn.o_proj.weight, x)
             h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
             x = ops.gemv_add(h, mlp.down_proj.weight, x)

@@ -29,15 +29,15 @@ from torch.library import triton_op, wrap_triton
 # model) take the default.
 GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms", 6144, 3072): (16, 512, 4, 3),
-    ("add", 3072, 4096): (2, 1024, 8, 1),
-    ("rms_glu", 8192, 3072): (16, 256, 4, 1),
-    ("add", 3072, 8192): (2, 1024, 4, 3),
+    ("add", 3072, 4096): (2, 2048, 8, 1),
+    ("rms_glu", 8192, 3072): (2, 4096, 4, 1),
+    ("add", 3072, 8192): (2, 4096, 8, 1),
     ("rms_f32", 131072, 3072): (8, 1024, 4, 3),
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
 # Splits of the positions per KV head, and positions per block: 7.8 us/layer at 512 positions and 9.2 at 1000
 # (the written-out attention: 30.4 and 28.7).
-ATTN_SPLITS, ATTN_BLOCK_T = 8, 64
+ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
@@ -146,8 +146,6 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.
 @triton.jit
 def _attention_kernel(
     qkv_ptr,
-    cos_ptr,
-    sin_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
@@ -159,6 +157,7 @@ def _attention_kernel(
     out_ptr,
     max_seq,
     SM_SCALE: tl.constexpr,
+    THETA: tl.constexpr,
     N_KV: tl.constexpr,
     REP: tl.constexpr,
     D: tl.constexpr,
@@ -181,11 +180,19 @@ def _attention_kernel(
     end = tl.minimum(start + per, pos)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
+    # rope's cos/sin at pos, as the model's `rope` computes them: inv_freq = 1 / theta^(2i/D) and pos * inv_freq
+    # in float32, cos/sin rounded to the activation dtype. pow, the division and cos/sin run in float64 and are
+    # rounded once, so they land on torch's correctly rounded float32 values. Computed here, per program: passed
+    # in as tensors, they cost two Inductor kernels per layer in the compiled step (session 12's sweep)
+    i2 = (2 * (d % (D // 2))).to(tl.float64)
+    p32 = tl.exp2(i2 / D * tl.log2(tl.full([D], THETA, tl.float64))).to(tl.float32)
+    freq = (pos.to(tl.float32) * (1.0 / p32.to(tl.float64)).to(tl.float32)).to(tl.float64)
+    cos = tl.cos(freq).to(tl.float32).to(k_ptr.dtype.element_ty).to(tl.float32)
+    sin = tl.sin(freq).to(tl.float32).to(k_ptr.dtype.element_ty).to(tl.float32)
     # rope (rotate-half): x[d] cos[d] + x[partner] sin[d] * (-1 in the first half, +1 in the second), in fp32
     # and rounded once, as Inductor compiles the model's apply_rope
     partner = (d + D // 2) % D
-    cos = tl.load(cos_ptr + d).to(tl.float32)
-    sin = tl.load(sin_ptr + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
+    sin = sin * tl.where(d < D // 2, -1.0, 1.0)
     h_ok = (h < REP)[:, None]
     q_row = (j * REP + h)[:, None] * D
     q = tl.load(qkv_ptr + q_row + d[None, :], mask=h_ok, other=0.0).to(tl.float32) * cos[None, :]
@@ -243,7 +250,7 @@ def _attention_kernel(
             tl.store(out_ptr + q_row + d[None, :], (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counts, layer=0, splits=None, block_t=None):
+def _launch_attention(qkv, k_cache, v_cache, pos, counts, theta, layer=0, splits=None, block_t=None):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rep = qkv.numel() // d // n_kv - 2
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
@@ -253,8 +260,8 @@ def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counts, layer=0, spl
     denom = torch.empty_like(m)
     acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=qkv.device)
     wrap_triton(_attention_kernel)[(n_kv * splits,)](
-        qkv, cos, sin, k_cache, v_cache, pos, counts, layer * n_kv, m, denom, acc, out, max_seq,
-        SM_SCALE=d**-0.5, N_KV=n_kv, REP=rep, D=d, BLOCK_H=block_h, BLOCK_T=block_t, SPLITS=splits, num_warps=4,
+        qkv, k_cache, v_cache, pos, counts, layer * n_kv, m, denom, acc, out, max_seq,
+        SM_SCALE=d**-0.5, THETA=float(theta), N_KV=n_kv, REP=rep, D=d, BLOCK_H=block_h, BLOCK_T=block_t, SPLITS=splits, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -262,16 +269,15 @@ def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counts, layer=0, spl
 @triton_op("voxtral::decode_attention", mutates_args={"k_cache", "v_cache", "counts"})
 def decode_attention(
     qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     pos: torch.Tensor,
     counts: torch.Tensor,
+    theta: float,
     layer: int,
 ) -> torch.Tensor:
-    """qkv [(H + 2 H_kv) * D] (the qkv projection, before rope), cos/sin [D] at pos, caches [1, H_kv, max_seq, D]
+    """qkv [(H + 2 H_kv) * D] (the qkv projection, before rope; theta: rope's base), caches [1, H_kv, max_seq, D]
     holding positions [0, pos), pos [1], counts [layers * H_kv] int32, zero in this layer's H_kv (one buffer for the
     whole step: one fill, not one per layer; each layer's are left at the split count) -> attention output
     [H * D]; writes the roped key and the value at pos."""
-    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counts, layer)
+    return _launch_attention(qkv, k_cache, v_cache, pos, counts, theta, layer)

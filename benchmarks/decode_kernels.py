@@ -172,10 +172,11 @@ def sweep_attention(lm, c, results) -> dict:
         rows = []
         for splits, bt in itertools.product((1, 2, 4, 8, 16), (32, 64, 128)):
             counts = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
-            err = rel_err(K._launch_attention(qkv, *caches[0], pos, counts, c.rope_theta, 0, splits, bt), ref)
+            rot = K.rope_table(pos, qkv, c.rope_theta, d)
+            err = rel_err(K._launch_attention(qkv, rot, *caches[0], pos, counts, 0, splits, bt), ref)
             ms = graph_ms(
-                lambda p=pos, s=splits, b=bt, n=counts: [  # zeroed for each layer: the step zeroes all once
-                    K._launch_attention(qkv, kc, vc, p, torch.zeros_like(n), c.rope_theta, 0, s, b) for kc, vc in caches
+                lambda p=pos, s=splits, b=bt, n=counts, r=rot: [  # zeroed for each layer: the step zeroes all once
+                    K._launch_attention(qkv, r, kc, vc, p, torch.zeros_like(n), 0, s, b) for kc, vc in caches
                 ],
                 20,
             )

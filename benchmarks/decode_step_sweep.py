@@ -59,7 +59,8 @@ def check(lm, c, out: dict) -> None:
     for splits, bt in SPLITS:
         k2, v2 = kc.clone(), vc.clone()
         counts = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
-        got = K._launch_attention(qkv, k2, v2, pos, counts, c.rope_theta, 0, splits, bt)
+        rot = K.rope_table(pos, qkv, c.rope_theta, d)
+        got = K._launch_attention(qkv, rot, k2, v2, pos, counts, 0, splits, bt)
         out[f"attention {splits}x{bt} rel err"] = rel_err(got, want)
         out[f"attention {splits}x{bt} cache rel err"] = max(rel_err(k2, want_k), rel_err(v2, want_v))
         out[f"attention {splits}x{bt} counts"] = counts.tolist()

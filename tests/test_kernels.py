@@ -99,7 +99,7 @@ def reference_attention(q, kc, vc, pos):
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
 @pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32)])
 def test_decode_attention(pos, splits, block_t):
-    """Rope (cos/sin computed in the kernel) on q and the new k, k and v written at pos, attention over 0..pos with the splits merged by the last
+    """Rope (cos/sin from rope_table) on q and the new k, k and v written at pos, attention over 0..pos with the splits merged by the last
     to finish; the rest of the cache untouched."""
     g = torch.Generator().manual_seed(pos)
     h, kv, d, max_seq = 4, 2, 16, 64
@@ -111,7 +111,11 @@ def test_decode_attention(pos, splits, block_t):
     before = kc.clone(), vc.clone()
     q, k, v = qkv.view(-1, d).split([h, kv, kv])
     counts = torch.zeros(3 * kv, dtype=torch.int32, device=DEV)  # three layers' counters; this is layer 1
-    got = K._launch_attention(qkv, kc, vc, torch.tensor([pos], device=DEV), counts, theta, 1, splits, block_t)
+    p = torch.tensor([pos], device=DEV)
+    rot = K.rope_table(p, qkv, theta, d)
+    assert rot.dtype == DOT_DTYPE  # torch's values, up to a last-bit rounding of torch's own float32 pow/cos
+    assert (rot.cpu().float() - torch.cat((cos, sin)).float()).abs().max() <= 2**-8
+    got = K._launch_attention(qkv, rot, kc, vc, p, counts, 1, splits, block_t)
     assert got.shape == (h * d,)
     # every split of each head counted itself in layer 1's counters (the last one merged); the others untouched
     assert counts.tolist() == [0] * kv + [splits if splits > 1 else 0] * kv + [0] * kv

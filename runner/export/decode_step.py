@@ -30,13 +30,14 @@ class DecodeStep(nn.Module):
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         c, ops = self.c, torch.ops.voxtral
         x = embeds.reshape(c.dim)
+        rot = ops.rope_table(cache_position, embeds, c.rope_theta, c.head_dim)  # cos/sin, for every layer
         # attention's per-head split counters, every layer's in one buffer: one fill per step
         counts = torch.zeros(c.n_layers * c.n_kv_heads, dtype=torch.int32, device=embeds.device)
         for i, layer in enumerate(self.layers):
             attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
-            a = ops.decode_attention(qkv, kv.k_cache, kv.v_cache, cache_position, counts, c.rope_theta, i)
+            a = ops.decode_attention(qkv, rot, kv.k_cache, kv.v_cache, cache_position, counts, i)
             x = ops.gemv_add(a, attn.o_proj.weight, x)
             h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
             x = ops.gemv_add(h, mlp.down_proj.weight, x)

@@ -144,8 +144,32 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.
 
 
 @triton.jit
+def _rope_table_kernel(pos_ptr, out_ptr, THETA: tl.constexpr, D: tl.constexpr):
+    """out = [cos, sin] at pos, as the model's `rope` computes them: inv_freq = 1 / theta^(2i/D) and pos * inv_freq
+    in float32, cos/sin rounded to the output dtype. pow, the division and cos/sin run in float64 and are rounded
+    once, so they land on torch's correctly rounded float32 values (theta is taken as a float32 constant)."""
+    d = tl.arange(0, D)
+    i2 = (2 * (d % (D // 2))).to(tl.float64)
+    p32 = tl.exp2(i2 / D * tl.log2(tl.full([D], THETA, tl.float64))).to(tl.float32)
+    freq = (tl.load(pos_ptr).to(tl.float32) * (1.0 / p32.to(tl.float64)).to(tl.float32)).to(tl.float64)
+    tl.store(out_ptr + d, tl.cos(freq).to(tl.float32).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + D + d, tl.sin(freq).to(tl.float32).to(out_ptr.dtype.element_ty))
+
+
+@triton_op("voxtral::rope_table", mutates_args=())
+def rope_table(pos: torch.Tensor, like: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
+    """pos [1] -> [cos, sin] [2 * head_dim] in like's dtype, once per step for every layer's attention. One kernel
+    of its own: computed inside attention (float64, on its latency path) it cost 3.5 us per layer, and as torch
+    ops Inductor recomputed it in two kernels per layer (session 12's sweeps, `h200/step_sweep_s12*`)."""
+    out = torch.empty(2 * head_dim, dtype=like.dtype, device=like.device)
+    wrap_triton(_rope_table_kernel)[(1,)](pos, out, THETA=float(theta), D=head_dim, num_warps=4)
+    return out
+
+
+@triton.jit
 def _attention_kernel(
     qkv_ptr,
+    rot_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
@@ -157,7 +181,6 @@ def _attention_kernel(
     out_ptr,
     max_seq,
     SM_SCALE: tl.constexpr,
-    THETA: tl.constexpr,
     N_KV: tl.constexpr,
     REP: tl.constexpr,
     D: tl.constexpr,
@@ -180,19 +203,11 @@ def _attention_kernel(
     end = tl.minimum(start + per, pos)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    # rope's cos/sin at pos, as the model's `rope` computes them: inv_freq = 1 / theta^(2i/D) and pos * inv_freq
-    # in float32, cos/sin rounded to the activation dtype. pow, the division and cos/sin run in float64 and are
-    # rounded once, so they land on torch's correctly rounded float32 values. Computed here, per program: passed
-    # in as tensors, they cost two Inductor kernels per layer in the compiled step (session 12's sweep)
-    i2 = (2 * (d % (D // 2))).to(tl.float64)
-    p32 = tl.exp2(i2 / D * tl.log2(tl.full([D], THETA, tl.float64))).to(tl.float32)
-    freq = (pos.to(tl.float32) * (1.0 / p32.to(tl.float64)).to(tl.float32)).to(tl.float64)
-    cos = tl.cos(freq).to(tl.float32).to(k_ptr.dtype.element_ty).to(tl.float32)
-    sin = tl.sin(freq).to(tl.float32).to(k_ptr.dtype.element_ty).to(tl.float32)
     # rope (rotate-half): x[d] cos[d] + x[partner] sin[d] * (-1 in the first half, +1 in the second), in fp32
-    # and rounded once, as Inductor compiles the model's apply_rope
+    # and rounded once, as Inductor compiles the model's apply_rope; cos/sin from `rope_table`
     partner = (d + D // 2) % D
-    sin = sin * tl.where(d < D // 2, -1.0, 1.0)
+    cos = tl.load(rot_ptr + d).to(tl.float32)
+    sin = tl.load(rot_ptr + D + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
     h_ok = (h < REP)[:, None]
     q_row = (j * REP + h)[:, None] * D
     q = tl.load(qkv_ptr + q_row + d[None, :], mask=h_ok, other=0.0).to(tl.float32) * cos[None, :]
@@ -250,7 +265,7 @@ def _attention_kernel(
             tl.store(out_ptr + q_row + d[None, :], (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _launch_attention(qkv, k_cache, v_cache, pos, counts, theta, layer=0, splits=None, block_t=None):
+def _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, layer=0, splits=None, block_t=None):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rep = qkv.numel() // d // n_kv - 2
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
@@ -260,8 +275,8 @@ def _launch_attention(qkv, k_cache, v_cache, pos, counts, theta, layer=0, splits
     denom = torch.empty_like(m)
     acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=qkv.device)
     wrap_triton(_attention_kernel)[(n_kv * splits,)](
-        qkv, k_cache, v_cache, pos, counts, layer * n_kv, m, denom, acc, out, max_seq,
-        SM_SCALE=d**-0.5, THETA=float(theta), N_KV=n_kv, REP=rep, D=d, BLOCK_H=block_h, BLOCK_T=block_t, SPLITS=splits, num_warps=4,
+        qkv, rot, k_cache, v_cache, pos, counts, layer * n_kv, m, denom, acc, out, max_seq,
+        SM_SCALE=d**-0.5, N_KV=n_kv, REP=rep, D=d, BLOCK_H=block_h, BLOCK_T=block_t, SPLITS=splits, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -269,15 +284,15 @@ def _launch_attention(qkv, k_cache, v_cache, pos, counts, theta, layer=0, splits
 @triton_op("voxtral::decode_attention", mutates_args={"k_cache", "v_cache", "counts"})
 def decode_attention(
     qkv: torch.Tensor,
+    rot: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     pos: torch.Tensor,
     counts: torch.Tensor,
-    theta: float,
     layer: int,
 ) -> torch.Tensor:
-    """qkv [(H + 2 H_kv) * D] (the qkv projection, before rope; theta: rope's base), caches [1, H_kv, max_seq, D]
+    """qkv [(H + 2 H_kv) * D] (the qkv projection, before rope), rot [2 D] (`rope_table` at pos), caches [1, H_kv, max_seq, D]
     holding positions [0, pos), pos [1], counts [layers * H_kv] int32, zero in this layer's H_kv (one buffer for the
     whole step: one fill, not one per layer; each layer's are left at the split count) -> attention output
     [H * D]; writes the roped key and the value at pos."""
-    return _launch_attention(qkv, k_cache, v_cache, pos, counts, theta, layer)
+    return _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, layer)

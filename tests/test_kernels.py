@@ -115,7 +115,7 @@ def test_decode_attention(pos, splits, block_t):
     rot = K.rope_table(p, qkv, theta, d)
     assert rot.dtype == DOT_DTYPE  # torch's values, up to a last-bit rounding of torch's own float32 pow/cos
     assert (rot.cpu().float() - torch.cat((cos, sin)).float()).abs().max() <= 2**-8
-    got = K._launch_attention(qkv, rot, kc, vc, p, counts, 1, splits, block_t)
+    got = K._launch_attention(qkv, rot, kc, vc, p, counts, kv, splits, block_t)
     assert got.shape == (h * d,)
     # every split of each head counted itself in layer 1's counters (the last one merged); the others untouched
     assert counts.tolist() == [0] * kv + [splits if splits > 1 else 0] * kv + [0] * kv

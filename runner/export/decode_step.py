@@ -15,6 +15,8 @@ from torch import nn
 from runner.export.config import TextConfig
 from runner.export.model import LanguageModel
 
+_COUNT_STRIDE = 16  # counters per layer; at least the KV heads (asserted below)
+
 
 class DecodeStep(nn.Module):
     """embeds [1, 1, dim], cache_position [1] -> logits [1, vocab] float32; writes the KV cache at that position.
@@ -24,6 +26,8 @@ class DecodeStep(nn.Module):
         super().__init__()
         from runner.export import kernels  # noqa: F401  (registers torch.ops.voxtral.*; needs Triton)
 
+        if c.n_kv_heads > _COUNT_STRIDE:
+            raise ValueError(f"{c.n_kv_heads} KV heads: more than the {_COUNT_STRIDE} attention counters per layer")
         self.c = c
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
@@ -31,13 +35,16 @@ class DecodeStep(nn.Module):
         c, ops = self.c, torch.ops.voxtral
         x = embeds.reshape(c.dim)
         rot = ops.rope_table(cache_position, embeds, c.rope_theta, c.head_dim)  # cos/sin, for every layer
-        # attention's per-head split counters, every layer's in one buffer: one fill per step
-        counts = torch.zeros(c.n_layers * c.n_kv_heads, dtype=torch.int32, device=embeds.device)
+        # attention's per-head split counters, every layer's in one buffer: one fill per step. Each layer's start on
+        # a 16-int boundary, so every layer passes an offset Triton specialises alike (divisible by 16) and all
+        # layers share one compiled kernel: with two variants AOTInductor linked each binary into the .so more
+        # than once and the link failed (`h200/3b_export_s12d.log`)
+        counts = torch.zeros(c.n_layers * _COUNT_STRIDE, dtype=torch.int32, device=embeds.device)
         for i, layer in enumerate(self.layers):
             attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
-            a = ops.decode_attention(qkv, rot, kv.k_cache, kv.v_cache, cache_position, counts, i)
+            a = ops.decode_attention(qkv, rot, kv.k_cache, kv.v_cache, cache_position, counts, i * _COUNT_STRIDE)
             x = ops.gemv_add(a, attn.o_proj.weight, x)
             h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
             x = ops.gemv_add(h, mlp.down_proj.weight, x)

@@ -265,7 +265,7 @@ def _attention_kernel(
             tl.store(out_ptr + q_row + d[None, :], (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, layer=0, splits=None, block_t=None):
+def _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, count_off=0, splits=None, block_t=None):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     rep = qkv.numel() // d // n_kv - 2
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
@@ -275,7 +275,7 @@ def _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, layer=0, splits=N
     denom = torch.empty_like(m)
     acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=qkv.device)
     wrap_triton(_attention_kernel)[(n_kv * splits,)](
-        qkv, rot, k_cache, v_cache, pos, counts, layer * n_kv, m, denom, acc, out, max_seq,
+        qkv, rot, k_cache, v_cache, pos, counts, count_off, m, denom, acc, out, max_seq,
         SM_SCALE=d**-0.5, N_KV=n_kv, REP=rep, D=d, BLOCK_H=block_h, BLOCK_T=block_t, SPLITS=splits, num_warps=4,
     )  # fmt: skip
     return out
@@ -289,10 +289,10 @@ def decode_attention(
     v_cache: torch.Tensor,
     pos: torch.Tensor,
     counts: torch.Tensor,
-    layer: int,
+    count_off: int,
 ) -> torch.Tensor:
     """qkv [(H + 2 H_kv) * D] (the qkv projection, before rope), rot [2 D] (`rope_table` at pos), caches [1, H_kv, max_seq, D]
-    holding positions [0, pos), pos [1], counts [layers * H_kv] int32, zero in this layer's H_kv (one buffer for the
-    whole step: one fill, not one per layer; each layer's are left at the split count) -> attention output
+    holding positions [0, pos), pos [1], counts int32 with zeros at [count_off, count_off + H_kv) (one buffer for
+    the whole step: one fill, not one per layer; each layer's are left at the split count) -> attention output
     [H * D]; writes the roped key and the value at pos."""
-    return _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, layer)
+    return _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, count_off)

@@ -3,8 +3,7 @@
 1. check: each kernel against torch on the 3B shapes (bf16), error relative to the output's scale.
 2. gemv: every (BLOCK_N, BLOCK_K, warps, stages) of a grid per GEMV kind, each over the 30 layers' distinct
    weights in one CUDA graph (nothing served from L2), against torch's F.linear (cuBLAS) on the same weights.
-3. attention (rope and the cache write folded in): splits x BLOCK_T at two cache fills, against rope and the
-   written-out attention the exported model uses (its time: the written-out attention alone).
+3. attention: splits x BLOCK_T at two cache fills, against the written-out attention the exported model uses.
 4. step: the whole decode step (30 layers + lm_head) as one CUDA graph: the eager decoder at S = 1 (cuBLAS), the
    DecodeStep with the best configs eager, and the DecodeStep under torch.compile (Inductor fuses the rope and
    the cache write as AOTInductor will); logits compared with the eager decoder.
@@ -26,7 +25,7 @@ from profile_decode import graph_ms
 from runner.export import kernels as K
 from runner.export.config import TextConfig
 from runner.export.decode_step import DecodeStep
-from runner.export.model import KVCache, LanguageModel, TextDecoder, apply_rope, rope
+from runner.export.model import KVCache, LanguageModel, TextDecoder
 
 DEV, BF16 = "cuda", torch.bfloat16
 
@@ -157,28 +156,19 @@ def reference_attention(q, kc, vc, pos, rep, d):
 
 
 def sweep_attention(lm, c, results) -> dict:
-    rep, d, n_kv = c.n_heads // c.n_kv_heads, c.head_dim, c.n_kv_heads
+    rep, d = c.n_heads // c.n_kv_heads, c.head_dim
     caches = [(la.self_attn.kv_cache.k_cache, la.self_attn.kv_cache.v_cache) for la in lm.model.layers]
-    qkv = torch.randn((c.n_heads + 2 * n_kv) * d, dtype=BF16, device=DEV)
-    q, k, v = qkv.view(-1, d).split([c.n_heads, n_kv, n_kv])
+    q = torch.randn(c.n_heads, d, dtype=BF16, device=DEV)
     out = {}
     for fill in (512, 1000):
         pos = torch.tensor([fill - 1], device=DEV)
-        cos, sin = (t.reshape(d) for t in rope(pos, d, c.rope_theta, BF16))
-        kc, vc = (t.clone() for t in caches[0])  # the kernel ropes k and writes it with v at pos; so does this
-        kc[0, :, fill - 1], vc[0, :, fill - 1] = apply_rope(k, cos, sin), v
-        ref = reference_attention(apply_rope(q, cos, sin), kc, vc, pos, rep, d)
+        ref = reference_attention(q, *caches[0], pos, rep, d)
         ref_ms = graph_ms(lambda p=pos: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
         for splits, bt in itertools.product((1, 2, 4, 8, 16), (32, 64, 128)):
-            counts = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
-            rot = K.rope_table(pos, qkv, c.rope_theta, d)
-            err = rel_err(K._launch_attention(qkv, rot, *caches[0], pos, counts, 0, splits, bt), ref)
+            err = rel_err(K._launch_attention(q, *caches[0], pos, splits, bt), ref)
             ms = graph_ms(
-                lambda p=pos, s=splits, b=bt, n=counts, r=rot: [  # zeroed for each layer: the step zeroes all once
-                    K._launch_attention(qkv, r, kc, vc, p, torch.zeros_like(n), 0, s, b) for kc, vc in caches
-                ],
-                20,
+                lambda p=pos, s=splits, b=bt: [K._launch_attention(q, kc, vc, p, s, b) for kc, vc in caches], 20
             )
             rows.append((ms, splits, bt, err))
         rows.sort()

@@ -8,9 +8,7 @@ the written-out attention read the whole 1024-slot cache with three kernels per 
     the input is read once), optionally with SiLU(gate) * up in the epilogue (the fused gate_up weight) or a
     float32 output (lm_head);
   - `gemv_add`: a GEMV with the residual add in its epilogue;
-  - `decode_attention`: flash-decoding over the valid positions only, the query heads of one KV head together,
-    with rope and the cache write of the new position folded in, and the splits merged by the last one to finish
-    (one kernel per layer where there were four: rope, cache write, attention, combine).
+  - `decode_attention`: flash-decoding over the valid positions only, the query heads of one KV head together.
 
 Every op is registered with `torch.library.triton_op`, so torch.export keeps it as one node and AOTInductor
 compiles the Triton kernel into the `.so`. Triton is imported only here: CPU exports never load this module.
@@ -23,10 +21,11 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMV kind, by (N, K): the best of 48 in the sweep of
-# `benchmarks/decode_kernels.py` on the H200 (`h200/decode_kernels_sweep1.json`; us per call, ours vs cuBLAS: qkv 11.3 vs
-# 14.7, o_proj 8.9 vs 12.7, gate_up 27.2 vs 27.4, down 14.9 vs 19.1, lm_head 181 vs 198). Other shapes (the tiny
-# model) take the default.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMV kind, by (N, K). Session 11 swept each GEMV alone (48 configs,
+# `h200/decode_kernels_sweep1.json`; us per call, ours vs cuBLAS: qkv 11.3 vs 14.7, o_proj 8.9 vs 12.7, gate_up 27.2
+# vs 27.4, down 14.9 vs 19.1, lm_head 181 vs 198). Session 12 tuned o_proj, gate_up and down inside the whole step,
+# where wider K tiles won (more bytes in flight per program): the step 2.288 -> 2.213 ms (`h200/step_sweep_s12b.*`,
+# branch s12-fused-attention). Other shapes (the tiny model) take the default.
 GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms", 6144, 3072): (16, 512, 4, 3),
     ("add", 3072, 4096): (2, 2048, 8, 1),
@@ -37,7 +36,7 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
 DEFAULT_GEMV = (8, 512, 4, 2)
 # Splits of the positions per KV head, and positions per block: 7.8 us/layer at 512 positions and 9.2 at 1000
 # (the written-out attention: 30.4 and 28.7).
-ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
+ATTN_SPLITS, ATTN_BLOCK_T = 8, 64
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
@@ -144,89 +143,39 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.
 
 
 @triton.jit
-def _rope_table_kernel(pos_ptr, out_ptr, THETA: tl.constexpr, D: tl.constexpr):
-    """out = [cos, sin] at pos, as the model's `rope` computes them: inv_freq = 1 / theta^(2i/D) and pos * inv_freq
-    in float32, cos/sin rounded to the output dtype. pow, the division and cos/sin run in float64 and are rounded
-    once, so they land on torch's correctly rounded float32 values (theta is taken as a float32 constant)."""
-    d = tl.arange(0, D)
-    i2 = (2 * (d % (D // 2))).to(tl.float64)
-    p32 = tl.exp2(i2 / D * tl.log2(tl.full([D], THETA, tl.float64))).to(tl.float32)
-    freq = (tl.load(pos_ptr).to(tl.float32) * (1.0 / p32.to(tl.float64)).to(tl.float32)).to(tl.float64)
-    tl.store(out_ptr + d, tl.cos(freq).to(tl.float32).to(out_ptr.dtype.element_ty))
-    tl.store(out_ptr + D + d, tl.sin(freq).to(tl.float32).to(out_ptr.dtype.element_ty))
-
-
-@triton_op("voxtral::rope_table", mutates_args=())
-def rope_table(pos: torch.Tensor, like: torch.Tensor, theta: float, head_dim: int) -> torch.Tensor:
-    """pos [1] -> [cos, sin] [2 * head_dim] in like's dtype, once per step for every layer's attention. One kernel
-    of its own: computed inside attention (float64, on its latency path) it cost 3.5 us per layer, and as torch
-    ops Inductor recomputed it in two kernels per layer (session 12's sweeps, `h200/step_sweep_s12*`)."""
-    out = torch.empty(2 * head_dim, dtype=like.dtype, device=like.device)
-    wrap_triton(_rope_table_kernel)[(1,)](pos, out, THETA=float(theta), D=head_dim, num_warps=4)
-    return out
-
-
-@triton.jit
 def _attention_kernel(
-    qkv_ptr,
-    rot_ptr,
+    q_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
-    count_ptr,
-    count_off,
     m_ptr,
     l_ptr,
     acc_ptr,
     out_ptr,
     max_seq,
     SM_SCALE: tl.constexpr,
-    N_KV: tl.constexpr,
     REP: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """Program (kv head j, split s): rope on the REP query heads of KV head j and on its new key, then attention
-    against positions [0, pos) of the cache, s-th of SPLITS contiguous slices, plus (split 0) the new position
-    from registers. Split 0 writes the new key and value into the cache: no program reads that slot, so none
-    waits for the write. Each split leaves its partial (max, sum, weighted V) in m/l/acc and counts itself in
-    count[count_off + j] (zero at the start); the split that counts last merges them. Query rows are padded to BLOCK_H
-    (>= 16) for tl.dot."""
-    pid = tl.program_id(0)
-    j = pid // SPLITS
-    s = pid % SPLITS
-    pos = tl.load(pos_ptr).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_T) * BLOCK_T
+    """Program (kv head j, split s): the REP query heads of KV head j against positions [0, pos] of the cache,
+    s-th of SPLITS contiguous slices. Partial (max, sum, weighted V) go to m/l/acc; with one split the
+    normalised output is written directly. Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
+    j = tl.program_id(0)
+    s = tl.program_id(1)
+    n_valid = tl.load(pos_ptr).to(tl.int32) + 1
+    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
     start = s * per
-    end = tl.minimum(start + per, pos)
+    end = tl.minimum(start + per, n_valid)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
-    # rope (rotate-half): x[d] cos[d] + x[partner] sin[d] * (-1 in the first half, +1 in the second), in fp32
-    # and rounded once, as Inductor compiles the model's apply_rope; cos/sin from `rope_table`
-    partner = (d + D // 2) % D
-    cos = tl.load(rot_ptr + d).to(tl.float32)
-    sin = tl.load(rot_ptr + D + d).to(tl.float32) * tl.where(d < D // 2, -1.0, 1.0)
-    h_ok = (h < REP)[:, None]
-    q_row = (j * REP + h)[:, None] * D
-    q = tl.load(qkv_ptr + q_row + d[None, :], mask=h_ok, other=0.0).to(tl.float32) * cos[None, :]
-    q += tl.load(qkv_ptr + q_row + partner[None, :], mask=h_ok, other=0.0).to(tl.float32) * sin[None, :]
-    q = q.to(k_ptr.dtype.element_ty)
-    k_row = (N_KV * REP + j) * D
-    k_new = tl.load(qkv_ptr + k_row + d).to(tl.float32) * cos + tl.load(qkv_ptr + k_row + partner).to(tl.float32) * sin
-    k_new = k_new.to(k_ptr.dtype.element_ty)
-    v_new = tl.load(qkv_ptr + (N_KV * REP + N_KV + j) * D + d)
+    q = tl.load(q_ptr + (j * REP + h)[:, None] * D + d[None, :], mask=(h < REP)[:, None], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     base = j.to(tl.int64) * max_seq * D
-    first = d + s * D < D  # split 0's lanes
-    tl.store(k_ptr + base + pos * D + d, k_new, mask=first)
-    tl.store(v_ptr + base + pos * D + d, v_new.to(v_ptr.dtype.element_ty), mask=first)
-    # split 0 starts from the new position (its probability is exp(0) = 1), the others from nothing
-    mine = tl.where(s == 0, 1.0, 0.0)
-    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * SM_SCALE
-    m = tl.where(s == 0, s_new, float("-inf"))
-    denom = tl.zeros([BLOCK_H], dtype=tl.float32) + mine
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32) + mine * v_new.to(tl.float32)[None, :]
     for t0 in range(start, end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < end
@@ -241,58 +190,54 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     if SPLITS == 1:
-        tl.store(out_ptr + q_row + d[None, :], (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok)
+        o = acc / denom[:, None]
+        tl.store(
+            out_ptr + (j * REP + h)[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=(h < REP)[:, None]
+        )
     else:
         part = (j * SPLITS + s) * BLOCK_H + h
         tl.store(m_ptr + part, m)
         tl.store(l_ptr + part, denom)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
-        # Every thread's partial is stored (the barrier) before the count, whose release publishes them to the
-        # split that counts last; that split's acquire, and loads from L2 (.cg), then see all of them. This
-        # merge replaces a combine kernel per layer.
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + count_off + j, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            mx = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            for r in tl.static_range(SPLITS):
-                mx = tl.maximum(mx, tl.load(m_ptr + (j * SPLITS + r) * BLOCK_H + h, cache_modifier=".cg"))
-            total = tl.zeros([BLOCK_H], dtype=tl.float32)
-            o = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-            for r in tl.static_range(SPLITS):
-                other = (j * SPLITS + r) * BLOCK_H + h
-                w = tl.exp(tl.load(m_ptr + other, cache_modifier=".cg") - mx)  # splits with nothing: m = -inf, w = 0
-                total += tl.load(l_ptr + other, cache_modifier=".cg") * w
-                o += tl.load(acc_ptr + other[:, None] * D + d[None, :], cache_modifier=".cg") * w[:, None]
-            tl.store(out_ptr + q_row + d[None, :], (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, count_off=0, splits=None, block_t=None):
-    n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    rep = qkv.numel() // d // n_kv - 2
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr
+):
+    """Program j: merge KV head j's SPLITS partials (splits past the last position hold m = -inf, l = 0)."""
+    j = tl.program_id(0)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    for r in tl.static_range(REP):
+        part = (j * SPLITS + s) * BLOCK_H + r
+        m = tl.load(m_ptr + part)
+        w = tl.exp(m - tl.max(m, axis=0))
+        denom = tl.sum(tl.load(l_ptr + part) * w, axis=0)
+        acc = tl.load(acc_ptr + part[:, None] * D + d[None, :])
+        o = tl.sum(acc * w[:, None], axis=0) / denom
+        tl.store(out_ptr + (j * REP + r) * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+def _launch_attention(q, k_cache, v_cache, pos, splits=None, block_t=None):
+    n_heads, d = q.shape
+    n_kv, max_seq = k_cache.shape[1], k_cache.shape[2]
+    rep = n_heads // n_kv
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
     block_h = max(16, triton.next_power_of_2(rep))
-    out = torch.empty(rep * n_kv * d, dtype=qkv.dtype, device=qkv.device)
-    m = torch.empty(n_kv * splits * block_h, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(n_heads * d, dtype=q.dtype, device=q.device)
+    m = torch.empty(n_kv * splits * block_h, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
-    acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=qkv.device)
-    wrap_triton(_attention_kernel)[(n_kv * splits,)](
-        qkv, rot, k_cache, v_cache, pos, counts, count_off, m, denom, acc, out, max_seq,
-        SM_SCALE=d**-0.5, N_KV=n_kv, REP=rep, D=d, BLOCK_H=block_h, BLOCK_T=block_t, SPLITS=splits, num_warps=4,
-    )  # fmt: skip
+    acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=q.device)
+    wrap_triton(_attention_kernel)[(n_kv, splits)](
+        q, k_cache, v_cache, pos, m, denom, acc, out, max_seq, d**-0.5, rep, d, block_h, block_t, splits, num_warps=4
+    )
+    if splits > 1:
+        wrap_triton(_combine_kernel)[(n_kv,)](m, denom, acc, out, rep, d, block_h, splits, num_warps=4)
     return out
 
 
-@triton_op("voxtral::decode_attention", mutates_args={"k_cache", "v_cache", "counts"})
-def decode_attention(
-    qkv: torch.Tensor,
-    rot: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    counts: torch.Tensor,
-    count_off: int,
-) -> torch.Tensor:
-    """qkv [(H + 2 H_kv) * D] (the qkv projection, before rope), rot [2 D] (`rope_table` at pos), caches [1, H_kv, max_seq, D]
-    holding positions [0, pos), pos [1], counts int32 with zeros at [count_off, count_off + H_kv) (one buffer for
-    the whole step: one fill, not one per layer; each layer's are left at the split count) -> attention output
-    [H * D]; writes the roped key and the value at pos."""
-    return _launch_attention(qkv, rot, k_cache, v_cache, pos, counts, count_off)
+@triton_op("voxtral::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """q [H, D] (roped), caches [1, H_kv, max_seq, D] already holding this position, pos [1] -> [H * D]."""
+    return _launch_attention(q, k_cache, v_cache, pos)

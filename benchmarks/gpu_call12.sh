@@ -6,7 +6,6 @@
 set -uo pipefail
 R=$OUT
 . benchmarks/gpu_setup.sh
-export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 (cd benchmarks && timeout 420 python3 decode_step_sweep.py --out $R/step_sweep_s12.json > $R/step_sweep_s12.log 2>&1)
 echo "rc=$?"; grep -v "^  File\|^    " $R/step_sweep_s12.log | tail -120
 timeout $((540 - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py > $R/kernel_tests_s12.log 2>&1

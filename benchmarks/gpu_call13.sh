@@ -7,7 +7,6 @@
 set -uo pipefail
 R=$OUT
 . benchmarks/gpu_setup.sh
-export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 (cd benchmarks && timeout 300 python3 decode_step_sweep.py --out $R/step_sweep_s12b.json > $R/step_sweep_s12b.log 2>&1)
 echo "rc=$?"; grep -v "^  File\|^    \|Warn\|warn" $R/step_sweep_s12b.log | tail -70
 timeout $((560 - SECONDS)) python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py \

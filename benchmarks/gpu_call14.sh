@@ -6,7 +6,6 @@
 set -uo pipefail
 R=$OUT; L=/tmp/logs; mkdir -p $L
 . benchmarks/gpu_setup.sh > $L/env.txt 2>&1; cat $L/env.txt
-export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 # the kernels against torch first (15 s): a kernel that is wrong on this GPU must not cost the export's 5 minutes
 timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py > $R/kernel_tests_s12c.log 2>&1 \
   || { tail -30 $R/kernel_tests_s12c.log; exit 1; }

@@ -5,6 +5,5 @@
 set -uo pipefail
 R=$OUT
 . benchmarks/gpu_setup.sh
-export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 (cd benchmarks && timeout 240 python3 decode_step_sweep.py --out $R/step_sweep_s12c.json > $R/step_sweep_s12c.log 2>&1)
 echo "rc=$?"; grep -v "^  File\|^    \|Warn\|warn\|^ \"\|^  [0-9]\|^ \]" $R/step_sweep_s12c.log | tail -50

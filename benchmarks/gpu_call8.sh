@@ -5,7 +5,6 @@
 set -uo pipefail
 R=$OUT; L=/tmp/logs; mkdir -p $L
 . benchmarks/gpu_setup.sh > $L/env.txt 2>&1; cat $L/env.txt
-export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 S=fixtures/audio/speech.wav
 timeout 200 python3 -m runner export --preset tiny --device cuda --dtype bf16 --out artifacts/tiny-cuda \
   > $L/tiny_export.log 2>&1 || { tail -60 $L/tiny_export.log; cp $L/*.log $R/; exit 1; }

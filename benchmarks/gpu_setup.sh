@@ -6,5 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site
 # in artifacts/ (ignored, not hidden): it survives between calls to a warm machine, hidden folders do not
 export VOXTRAL_RUNNER_CACHE=$PWD/artifacts/vr-cache
+# Triton's compiled kernels likewise (the decode kernels' sweeps and the step's export reuse them)
+export TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"

@@ -25,7 +25,7 @@ from profile_decode import graph_ms
 from runner.export import kernels as K
 from runner.export.config import TextConfig
 from runner.export.decode_step import DecodeStep
-from runner.export.model import KVCache, LanguageModel, TextDecoder
+from runner.export.model import KVCache, LanguageModel, TextDecoder, apply_rope, rope
 
 DEV, BF16 = "cuda", torch.bfloat16
 
@@ -156,20 +156,31 @@ def reference_attention(q, kc, vc, pos, rep, d):
 
 
 def sweep_attention(lm, c, results) -> dict:
+    """The fused op (RoPE, cache write, attention, split merge) against the written-out attention on the roped
+    query over the cache it wrote (the reference's time leaves RoPE and the write out)."""
     rep, d = c.n_heads // c.n_kv_heads, c.head_dim
     caches = [(la.self_attn.kv_cache.k_cache, la.self_attn.kv_cache.v_cache) for la in lm.model.layers]
-    q = torch.randn(c.n_heads, d, dtype=BF16, device=DEV)
+    qkv = torch.randn((c.n_heads + 2 * c.n_kv_heads) * d, dtype=BF16, device=DEV)
+    counters = torch.zeros(16, dtype=torch.int32, device=DEV)
     out = {}
     for fill in (512, 1000):
         pos = torch.tensor([fill - 1], device=DEV)
-        ref = reference_attention(q, *caches[0], pos, rep, d)
-        ref_ms = graph_ms(lambda p=pos: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
+        cos, sin = (t[0] for t in rope(pos, d, c.rope_theta, BF16))
+        q = apply_rope(qkv[: c.n_heads * d].view(c.n_heads, d), cos, sin)
+
+        def fused(p=pos, s=None, b=None, kc_vc=caches, cos=cos, sin=sin):
+            outs = []
+            for kc, vc in kc_vc:
+                counters.zero_()
+                outs.append(K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b))
+            return outs
+
+        ref_ms = graph_ms(lambda p=pos, q=q: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
         for splits, bt in itertools.product((1, 2, 4, 8, 16), (32, 64, 128)):
-            err = rel_err(K._launch_attention(q, *caches[0], pos, splits, bt), ref)
-            ms = graph_ms(
-                lambda p=pos, s=splits, b=bt: [K._launch_attention(q, kc, vc, p, s, b) for kc, vc in caches], 20
-            )
+            got = fused(pos, splits, bt, caches[:1])[0]
+            err = rel_err(got, reference_attention(q, *caches[0], pos, rep, d))
+            ms = graph_ms(lambda p=pos, s=splits, b=bt: fused(p, s, b), 20)
             rows.append((ms, splits, bt, err))
         rows.sort()
         ms, splits, bt, err = rows[0]

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from runner.export import kernels as K  # noqa: E402
 from runner.export.config import preset  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
-from runner.export.model import Voxtral  # noqa: E402
+from runner.export.model import Voxtral, apply_rope, rope  # noqa: E402
 
 
 def rms(x, g, eps):
@@ -91,17 +91,30 @@ def reference_attention(q, kc, vc, pos):
 
 
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
-@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32)])
+@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 8)])
 def test_decode_attention(pos, splits, block_t):
+    """The fused op against apply_rope + a cache write + attention in float32: output, the written slot, every other
+    slot untouched, and the split counters (the last split of each KV head merges)."""
     g = torch.Generator().manual_seed(pos)
     h, kv, d, max_seq = 4, 2, 16, 64
-    q = torch.randn(h, d, generator=g).to(DEV, DOT_DTYPE)
+    qkv = torch.randn((h + 2 * kv) * d, generator=g).to(DEV, DOT_DTYPE)
     kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
     kc[:, :, pos + 1 :] = 1e4  # past the position: must not be read
-    got = K._launch_attention(q, kc, vc, torch.tensor([pos], device=DEV), splits, block_t)
+    want_k, want_v = kc.clone(), vc.clone()
+    cos, sin = rope(torch.tensor([pos]), d, 1e4, DOT_DTYPE)
+    q, k, v = qkv.split([h * d, kv * d, kv * d])
+    q = apply_rope(q.view(h, d), cos.to(DEV), sin.to(DEV))
+    want_k[0, :, pos] = apply_rope(k.view(kv, d), cos.to(DEV), sin.to(DEV))
+    want_v[0, :, pos] = v.view(kv, d)
+    counters = torch.zeros(32, dtype=torch.int32, device=DEV)
+    pos_t = torch.tensor([pos], device=DEV)
+    got = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert got.shape == (h * d,)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # RoPE rounded as the eager model rounds it
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
-    assert (got.float() - reference_attention(q, kc, vc, pos)).abs().max() < tol
+    assert (got.float() - reference_attention(q, want_k, want_v, pos)).abs().max() < tol
+    assert counters[16 : 16 + kv].tolist() == ([splits] * kv if splits > 1 else [0] * kv)
+    assert not counters[:16].any() and not counters[16 + kv :].any()
 
 
 def test_decode_step_matches_the_decoder():

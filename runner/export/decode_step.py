@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.export.config import TextConfig
-from runner.export.model import LanguageModel, apply_rope, rope
+from runner.export.model import LanguageModel, rope
 
 
 class DecodeStep(nn.Module):
@@ -31,15 +31,17 @@ class DecodeStep(nn.Module):
         c, d, ops = self.c, self.c.head_dim, torch.ops.voxtral
         x = embeds.reshape(c.dim)
         cos, sin = rope(cache_position, d, c.rope_theta, embeds.dtype)  # [1, D]: one position, all layers
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+        # each layer's attention counts its finished splits in its own slots, a multiple of 16 (every layer's slice
+        # is aligned alike, so one compiled kernel serves all); zeroed once per step, one small kernel
+        slots = -(-c.n_kv_heads // 16) * 16
+        counters = torch.zeros(len(self.layers) * slots, dtype=torch.int32, device=embeds.device)
+        for i, layer in enumerate(self.layers):
+            attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
-            q, k, v = qkv.split([c.n_heads * d, c.n_kv_heads * d, c.n_kv_heads * d])
-            q = apply_rope(q.view(c.n_heads, d), cos, sin)
-            k = apply_rope(k.view(c.n_kv_heads, d), cos, sin)
-            kc, vc = attn.kv_cache.update(cache_position, k.view(1, c.n_kv_heads, 1, d), v.view(1, c.n_kv_heads, 1, d))
-            x = ops.gemv_add(ops.decode_attention(q, kc, vc, cache_position), attn.o_proj.weight, x)
+            # RoPE, this position's cache write and the attention in one kernel
+            a = ops.decode_attention(qkv, cos[0], sin[0], kv.k_cache, kv.v_cache, cache_position, counters, i * slots)
+            x = ops.gemv_add(a, attn.o_proj.weight, x)
             h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
             x = ops.gemv_add(h, mlp.down_proj.weight, x)
         return ops.rms_gemv(x, self.norm.weight, self.lm_head.weight, self.norm.eps, False, True).view(1, -1)

@@ -8,6 +8,7 @@ and renames at the end, so a failed export leaves no half bundle.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -290,6 +291,32 @@ def _export(plan: MethodPlan, opts: ExportOptions) -> torch.export.ExportedProgr
     return torch.export.export(plan.module, plan.example, dynamic_shapes=plan.dynamic_shapes, strict=False)
 
 
+@contextlib.contextmanager
+def _one_object_per_kernel():
+    """AOTInductor before torch 2.13 embeds each kernel binary as `<cubin>.o`, its symbols renamed to the kernel's
+    name. When two kernel names share one cubin (the same Triton kernel, specialised alike, at two call sites:
+    seen with the cache-writing attention of the 3B step), the second object overwrites the first and is linked
+    twice: "multiple definition of `___attention_kernel_N_start'". Each kernel name gets its own copy of the
+    cubin here. torch 2.13 embeds all binaries in one batched object, named per kernel, and calls this function
+    only as its fallback."""
+    codecache = torch._inductor.codecache
+    original = getattr(codecache, "convert_cubin_to_obj", None)
+    if original is None:
+        yield
+        return
+
+    def convert(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> str:
+        own = f"{cubin_file[: -len('.cubin')] if cubin_file.endswith('.cubin') else cubin_file}.{kernel_name}.cubin"
+        shutil.copyfile(cubin_file, own)
+        return original(own, kernel_name, ld, objcopy)
+
+    codecache.convert_cubin_to_obj = convert
+    try:
+        yield
+    finally:
+        codecache.convert_cubin_to_obj = original
+
+
 def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_dir: Path | None) -> Path:
     """torch.export + AOTInductor; returns the path of the method's `.so` (weights not embedded)."""
     with torch.no_grad():
@@ -299,9 +326,10 @@ def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_d
         # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
         # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
         configs["aot_inductor.embed_kernel_binary"] = True
-    package = torch._inductor.aoti_compile_and_package(
-        ep, package_path=str(workdir / f"{plan.name}.pt2"), inductor_configs=configs
-    )
+    with _one_object_per_kernel():
+        package = torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(workdir / f"{plan.name}.pt2"), inductor_configs=configs
+        )
     with zipfile.ZipFile(package) as z:
         libs = [n for n in z.namelist() if n.endswith(".so")]
         if len(libs) != 1:

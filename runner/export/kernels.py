@@ -8,7 +8,9 @@ the written-out attention read the whole 1024-slot cache with three kernels per 
     the input is read once), optionally with SiLU(gate) * up in the epilogue (the fused gate_up weight) or a
     float32 output (lm_head);
   - `gemv_add`: a GEMV with the residual add in its epilogue;
-  - `decode_attention`: flash-decoding over the valid positions only, the query heads of one KV head together.
+  - `decode_attention`: one kernel per layer for everything between the qkv GEMV and o_proj: RoPE, the cache
+    write, and flash-decoding over the valid positions only (the query heads of one KV head together), its
+    splits merged in the kernel.
 
 Every op is registered with `torch.library.triton_op`, so torch.export keeps it as one node and AOTInductor
 compiles the Triton kernel into the `.so`. Triton is imported only here: CPU exports never load this module.
@@ -34,9 +36,11 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms_f32", 131072, 3072): (8, 1024, 4, 3),
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
-# Splits of the positions per KV head, and positions per block: 7.8 us/layer at 512 positions and 9.2 at 1000
-# (the written-out attention: 30.4 and 28.7).
-ATTN_SPLITS, ATTN_BLOCK_T = 8, 64
+# Splits of the positions per KV head, and positions per block. Session 12 (the step eager in a CUDA graph, H200,
+# `h200/step_sweep_s12b.*`): one attention kernel per layer with RoPE, the cache write and the split merge inside,
+# 6.2-6.6 us per layer; 4 x 128 and 8 x 64 within 2 us per step of each other. Session 11's kernel plus its
+# combine kernel and Inductor's rope and cache write: 7.8 + 2.7 us.
+ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
@@ -143,42 +147,81 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.
 
 
 @triton.jit
+def _rope_rows(x_ptr, rows, d, cos, sin, HALF: tl.constexpr):
+    """Rotate-half RoPE of rows `rows` of a row-major [*, 2*HALF] tensor, rounded as the eager model rounds (x * cos
+    and rotate_half(x) * sin each to the tensor's dtype, then their sum): the same bits as `apply_rope`."""
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + d[None, :]).to(tl.float32)
+    partner = tl.load(x_ptr + rows[:, None] * (2 * HALF) + ((d + HALF) % (2 * HALF))[None, :]).to(tl.float32)
+    rot = tl.where((d < HALF)[None, :], -partner, partner)
+    a = (x * cos[None, :]).to(dt).to(tl.float32)
+    b = (rot * sin[None, :]).to(dt).to(tl.float32)
+    return (a + b).to(dt)
+
+
+@triton.jit
 def _attention_kernel(
-    q_ptr,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
+    count_ptr,
     m_ptr,
     l_ptr,
     acc_ptr,
     out_ptr,
     max_seq,
     SM_SCALE: tl.constexpr,
-    REP: tl.constexpr,
+    H: tl.constexpr,
+    H_KV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    REP_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """Program (kv head j, split s): the REP query heads of KV head j against positions [0, pos] of the cache,
-    s-th of SPLITS contiguous slices. Partial (max, sum, weighted V) go to m/l/acc; with one split the
-    normalised output is written directly. Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
+    """Program (kv head j, split s) of one decode step: RoPE on the REP query heads of KV head j and on its new
+    key (read raw from the qkv GEMV's output), then attention over positions [0, pos], the s-th of SPLITS slices.
+
+    - The new position comes from registers, not from the cache: every program computes the new key and value
+      itself, split 0 writes them to the cache, and no program reads that slot, so none waits for the write.
+    - The splits are merged by whichever finishes last (a per-head counter, zeroed by the caller): partials go to
+      m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back from L2 (.cg). No combine
+      kernel, so no second launch on attention's latency path.
+    Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
+    REP: tl.constexpr = H // H_KV
+    HALF: tl.constexpr = D // 2
     j = tl.program_id(0)
     s = tl.program_id(1)
-    n_valid = tl.load(pos_ptr).to(tl.int32) + 1
+    pos = tl.load(pos_ptr).to(tl.int32)
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < REP
+    d = tl.arange(0, D)
+    cos = tl.load(cos_ptr + d).to(tl.float32)
+    sin = tl.load(sin_ptr + d).to(tl.float32)
+    q = _rope_rows(qkv_ptr, j * REP + tl.minimum(h, REP - 1), d, cos, sin, HALF)  # padding rows repeat row REP-1
+    one = tl.arange(0, 1)
+    k_new = _rope_rows(qkv_ptr, H + j + one, d, cos, sin, HALF)  # [1, D]
+    v_new = tl.load(qkv_ptr + (H + H_KV + j + one)[:, None] * D + d[None, :])
+    base = j.to(tl.int64) * max_seq * D
+    if s == 0:
+        tl.store(k_ptr + base + pos * D + d[None, :], k_new)
+        tl.store(v_ptr + base + pos * D + d[None, :], v_new)
+
+    # this split's slice of positions [0, pos]: cached ones [start, min(end, pos)), the new one if end > pos
+    n_valid = pos + 1
     per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
     start = s * per
     end = tl.minimum(start + per, n_valid)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + (j * REP + h)[:, None] * D + d[None, :], mask=(h < REP)[:, None], other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    base = j.to(tl.int64) * max_seq * D
-    for t0 in range(start, end, BLOCK_T):
+    cached_end = tl.minimum(end, pos)
+    for t0 in range(start, cached_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < end
+        t_ok = t < cached_end
         k = tl.load(k_ptr + base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * SM_SCALE
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
@@ -189,55 +232,87 @@ def _attention_kernel(
         v = tl.load(v_ptr + base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
+    if (start <= pos) & (pos < end):
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * SM_SCALE  # [BLOCK_H]
+        m_new = tl.maximum(m, score)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(score - m_new)
+        denom = denom * alpha + p
+        # p rounded as tl.dot's bf16 operand rounds it for the cached positions
+        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+        m = m_new
+
     if SPLITS == 1:
-        o = acc / denom[:, None]
-        tl.store(
-            out_ptr + (j * REP + h)[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=(h < REP)[:, None]
-        )
+        rows = (j * REP + h)[:, None] * D + d[None, :]
+        tl.store(out_ptr + rows, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
     else:
         part = (j * SPLITS + s) * BLOCK_H + h
         tl.store(m_ptr + part, m)
         tl.store(l_ptr + part, denom)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        if tl.atomic_add(count_ptr + j, 1, sem="acq_rel") == SPLITS - 1:
+            sp = tl.arange(0, SPLITS)
+            r = tl.arange(0, REP_P2)  # the real query rows only (BLOCK_H pads them for tl.dot)
+            parts = (j * SPLITS + sp)[:, None] * BLOCK_H + r[None, :]  # [SPLITS, REP_P2]
+            ms = tl.load(m_ptr + parts, cache_modifier=".cg")
+            w = tl.exp(ms - tl.max(ms, axis=0)[None, :])  # an empty split (m = -inf) weighs nothing
+            total = tl.sum(tl.load(l_ptr + parts, cache_modifier=".cg") * w, axis=0)
+            accs = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], cache_modifier=".cg")
+            o = tl.sum(accs * w[:, :, None], axis=0) / total[:, None]
+            out_rows = (j * REP + r)[:, None] * D + d[None, :]
+            tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
 
 
-@triton.jit
-def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, REP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr
-):
-    """Program j: merge KV head j's SPLITS partials (splits past the last position hold m = -inf, l = 0)."""
-    j = tl.program_id(0)
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    for r in tl.static_range(REP):
-        part = (j * SPLITS + s) * BLOCK_H + r
-        m = tl.load(m_ptr + part)
-        w = tl.exp(m - tl.max(m, axis=0))
-        denom = tl.sum(tl.load(l_ptr + part) * w, axis=0)
-        acc = tl.load(acc_ptr + part[:, None] * D + d[None, :])
-        o = tl.sum(acc * w[:, None], axis=0) / denom
-        tl.store(out_ptr + (j * REP + r) * D + d, o.to(out_ptr.dtype.element_ty))
-
-
-def _launch_attention(q, k_cache, v_cache, pos, splits=None, block_t=None):
-    n_heads, d = q.shape
-    n_kv, max_seq = k_cache.shape[1], k_cache.shape[2]
-    rep = n_heads // n_kv
+def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None):
+    n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n_heads = qkv.shape[0] // d - 2 * n_kv
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
-    block_h = max(16, triton.next_power_of_2(rep))
-    out = torch.empty(n_heads * d, dtype=q.dtype, device=q.device)
-    m = torch.empty(n_kv * splits * block_h, dtype=torch.float32, device=q.device)
+    rep_p2 = triton.next_power_of_2(n_heads // n_kv)
+    block_h = max(16, rep_p2)
+    out = torch.empty(n_heads * d, dtype=qkv.dtype, device=qkv.device)
+    m = torch.empty(n_kv * splits * block_h, dtype=torch.float32, device=qkv.device)
     denom = torch.empty_like(m)
-    acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=q.device)
+    acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=qkv.device)
     wrap_triton(_attention_kernel)[(n_kv, splits)](
-        q, k_cache, v_cache, pos, m, denom, acc, out, max_seq, d**-0.5, rep, d, block_h, block_t, splits, num_warps=4
+        qkv,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        pos,
+        counters[counter_offset:],
+        m,
+        denom,
+        acc,
+        out,
+        max_seq,
+        SM_SCALE=d**-0.5,
+        H=n_heads,
+        H_KV=n_kv,
+        D=d,
+        BLOCK_H=block_h,
+        REP_P2=rep_p2,
+        BLOCK_T=block_t,
+        SPLITS=splits,
+        num_warps=4,
     )
-    if splits > 1:
-        wrap_triton(_combine_kernel)[(n_kv,)](m, denom, acc, out, rep, d, block_h, splits, num_warps=4)
     return out
 
 
-@triton_op("voxtral::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """q [H, D] (roped), caches [1, H_kv, max_seq, D] already holding this position, pos [1] -> [H * D]."""
-    return _launch_attention(q, k_cache, v_cache, pos)
+@triton_op("voxtral::decode_attention", mutates_args={"k_cache", "v_cache", "counters"})
+def decode_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    counters: torch.Tensor,
+    counter_offset: int,
+) -> torch.Tensor:
+    """One decode step's attention: qkv [(H + 2 H_kv) * D] as the qkv GEMV wrote it (no RoPE yet), cos/sin [D] of
+    this position, caches [1, H_kv, max_seq, D] (this position's key and value are written here), pos [1],
+    counters int32 zeros with H_KV free slots from counter_offset (a multiple of 16: every layer specialises
+    alike) -> [H * D]."""
+    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset)

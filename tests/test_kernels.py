@@ -110,7 +110,14 @@ def test_decode_attention(pos, splits, block_t):
     pos_t = torch.tensor([pos], device=DEV)
     got = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert got.shape == (h * d,)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)  # RoPE rounded as the eager model rounds it
+    assert torch.equal(vc, want_v)
+    # RoPE rounded once (as Inductor's compiled decoder rounds it), eager after each product too: apart by at most
+    # those roundings: eps/2 of each term (|cos|, |sin| <= 1) and of each result; other slots untouched
+    raw = k.view(kv, d).float()
+    bound = 1.5 * torch.finfo(DOT_DTYPE).eps * (raw.abs() + raw.roll(d // 2, -1).abs())
+    assert ((kc[0, :, pos] - want_k[0, :, pos]).float().abs() <= bound).all()
+    kc[0, :, pos] = want_k[0, :, pos]
+    assert torch.equal(kc, want_k)
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
     assert (got.float() - reference_attention(q, want_k, want_v, pos)).abs().max() < tol
     assert counters[16 : 16 + kv].tolist() == ([splits] * kv if splits > 1 else [0] * kv)

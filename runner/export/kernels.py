@@ -148,15 +148,12 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.
 
 @triton.jit
 def _rope_rows(x_ptr, rows, d, cos, sin, HALF: tl.constexpr):
-    """Rotate-half RoPE of rows `rows` of a row-major [*, 2*HALF] tensor, rounded as the eager model rounds (x * cos
-    and rotate_half(x) * sin each to the tensor's dtype, then their sum): the same bits as `apply_rope`."""
-    dt = x_ptr.dtype.element_ty
+    """Rotate-half RoPE of rows `rows` of a row-major [*, 2*HALF] tensor, in float32 and rounded once, as Inductor
+    computes it in the compiled text_decoder (eager rounds x * cos and rotate_half(x) * sin first: 1 ulp apart)."""
     x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + d[None, :]).to(tl.float32)
     partner = tl.load(x_ptr + rows[:, None] * (2 * HALF) + ((d + HALF) % (2 * HALF))[None, :]).to(tl.float32)
     rot = tl.where((d < HALF)[None, :], -partner, partner)
-    a = (x * cos[None, :]).to(dt).to(tl.float32)
-    b = (rot * sin[None, :]).to(dt).to(tl.float32)
-    return (a + b).to(dt)
+    return (x * cos[None, :] + rot * sin[None, :]).to(x_ptr.dtype.element_ty)
 
 
 @triton.jit

@@ -91,7 +91,7 @@ def reference_attention(q, kc, vc, pos):
 
 
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
-@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 8)])
+@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16)])  # tl.dot: block_t >= 16
 def test_decode_attention(pos, splits, block_t):
     """The fused op against apply_rope + a cache write + attention in float32: output, the written slot, every other
     slot untouched, and the split counters (the last split of each KV head merges)."""

@@ -25,7 +25,9 @@ with torch.device("cuda"):
     m = Voxtral(preset(name)).to(torch.bfloat16).eval()
 m.setup_caches(1024, torch.bfloat16)
 dec = m.decoder()
-missing, unexpected = dec.load_state_dict(load_file(str(bundle / "text_decoder.safetensors"), device="cuda"), strict=False)
+missing, unexpected = dec.load_state_dict(
+    load_file(str(bundle / "text_decoder.safetensors"), device="cuda"), strict=False
+)
 print("weights: missing", [k for k in missing if "cache" not in k][:5], "unexpected", unexpected[:5])
 caches = [(la.self_attn.kv_cache.k_cache, la.self_attn.kv_cache.v_cache) for la in dec.layers]
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -43,7 +45,7 @@ with Program.load(bundle, device="cuda") as program, torch.no_grad():
         torch.cuda.synchronize()
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         written = []
-        for li, (kc, vc) in enumerate(caches):
+        for li, (kc, _vc) in enumerate(caches):
             sk = next(v for k, v in state.items() if f"layers.{li}." in k and "k_cache" in k)
             written.append(round(((sk[0, :, i].float() - kc[0, :, i].float()).abs().max()).item(), 4))
         print(f"pos {i}: step vs decoder {err:.3e}; |step cache - eager cache| at slot {i} per layer: {written[:6]}")

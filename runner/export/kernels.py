@@ -165,6 +165,7 @@ def _attention_kernel(
     v_ptr,
     pos_ptr,
     count_ptr,
+    count_offset,
     m_ptr,
     l_ptr,
     acc_ptr,
@@ -184,9 +185,9 @@ def _attention_kernel(
 
     - The new position comes from registers, not from the cache: every program computes the new key and value
       itself, split 0 writes them to the cache, and no program reads that slot, so none waits for the write.
-    - The splits are merged by whichever finishes last (a per-head counter, zeroed by the caller): partials go to
-      m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back from L2 (.cg). No combine
-      kernel, so no second launch on attention's latency path.
+    - The splits are merged by whichever finishes last (a per-head counter, zero on entry and reset to zero by
+      the last): partials go to m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back
+      from L2 (.cg). No combine kernel, so no second launch on attention's latency path.
     Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
     REP: tl.constexpr = H // H_KV
     HALF: tl.constexpr = D // 2
@@ -248,7 +249,8 @@ def _attention_kernel(
         tl.store(l_ptr + part, denom)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
         tl.debug_barrier()  # every thread's partials stored before the count says so
-        if tl.atomic_add(count_ptr + j, 1, sem="acq_rel") == SPLITS - 1:
+        if tl.atomic_add(count_ptr + count_offset + j, 1, sem="acq_rel") == SPLITS - 1:
+            tl.store(count_ptr + count_offset + j, 0)  # the count back to zero: the buffer is ready for the next step
             sp = tl.arange(0, SPLITS)
             r = tl.arange(0, REP_P2)  # the real query rows only (BLOCK_H pads them for tl.dot)
             parts = (j * SPLITS + sp)[:, None] * BLOCK_H + r[None, :]  # [SPLITS, REP_P2]
@@ -278,7 +280,8 @@ def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_of
         k_cache,
         v_cache,
         pos,
-        counters[counter_offset:],
+        counters,
+        counter_offset,
         m,
         denom,
         acc,
@@ -310,6 +313,6 @@ def decode_attention(
 ) -> torch.Tensor:
     """One decode step's attention: qkv [(H + 2 H_kv) * D] as the qkv GEMV wrote it (no RoPE yet), cos/sin [D] of
     this position, caches [1, H_kv, max_seq, D] (this position's key and value are written here), pos [1],
-    counters int32 zeros with H_KV free slots from counter_offset (a multiple of 16: every layer specialises
-    alike) -> [H * D]."""
+    counters int32, zero in the H_KV slots from counter_offset (a multiple of 16: every layer specialises alike)
+    and left zero -> [H * D]."""
     return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset)

@@ -90,6 +90,18 @@ def reference_attention(q, kc, vc, pos):
     return (p[:, None] @ v)[:, 0].reshape(-1)
 
 
+@pytest.mark.parametrize("pos", [0, 7, 1023])
+def test_rope_table(pos):
+    """One kernel per step for every layer's RoPE: model.rope's cos and sin, within one rounding of the dtype."""
+    d, theta = 128, 1e8
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=DEV) / d))
+    pos_t = torch.tensor([pos], device=DEV)
+    got = K.rope_table(pos_t, inv_freq, torch.empty(0, dtype=torch.bfloat16, device=DEV))
+    cos, sin = rope(pos_t, d, theta, torch.bfloat16)
+    assert got.shape == (2, d) and got.dtype == torch.bfloat16
+    assert (got.float() - torch.cat([cos, sin]).float()).abs().max() <= 2**-8
+
+
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
 @pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16)])  # tl.dot: block_t >= 16
 def test_decode_attention(pos, splits, block_t):

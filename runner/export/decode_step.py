@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.export.config import TextConfig
-from runner.export.model import LanguageModel, rope
+from runner.export.model import LanguageModel
 
 
 class DecodeStep(nn.Module):
@@ -30,7 +30,9 @@ class DecodeStep(nn.Module):
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         c, d, ops = self.c, self.c.head_dim, torch.ops.voxtral
         x = embeds.reshape(c.dim)
-        cos, sin = rope(cache_position, d, c.rope_theta, embeds.dtype)  # [1, D]: one position, all layers
+        # [2, D] cos, sin: one position, all layers (inv_freq as model.rope computes it)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=embeds.device) / d))
+        cos, sin = ops.rope_table(cache_position, inv_freq, embeds)
         # each layer's attention counts its finished splits in its own slots, a multiple of 16 (every layer's slice
         # is aligned alike, so one compiled kernel serves all); zeroed once per step, one small kernel
         slots = -(-c.n_kv_heads // 16) * 16
@@ -40,7 +42,7 @@ class DecodeStep(nn.Module):
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
             # RoPE, this position's cache write and the attention in one kernel
-            a = ops.decode_attention(qkv, cos[0], sin[0], kv.k_cache, kv.v_cache, cache_position, counters, i * slots)
+            a = ops.decode_attention(qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counters, i * slots)
             x = ops.gemv_add(a, attn.o_proj.weight, x)
             h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
             x = ops.gemv_add(h, mlp.down_proj.weight, x)

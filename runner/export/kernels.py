@@ -147,6 +147,27 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.
 
 
 @triton.jit
+def _rope_table_kernel(pos_ptr, inv_freq_ptr, out_ptr, HALF: tl.constexpr):
+    """cos and sin of this position's rotation angles, as `model.rope` computes them (float32, then the model's
+    dtype): out[0] = cos, out[1] = sin, each [2 * HALF] (the angles repeated for the two halves)."""
+    i = tl.arange(0, 2 * HALF)
+    f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_freq_ptr + i % HALF)
+    tl.store(out_ptr + i, tl.cos(f).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + 2 * HALF + i, tl.sin(f).to(out_ptr.dtype.element_ty))
+
+
+@triton_op("voxtral::rope_table", mutates_args=())
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """pos [1], inv_freq [D / 2] float32 -> [2, D] (cos, sin) in like's dtype. An op of its own, computed once per
+    step: written as torch ops, Inductor recomputed cos/sin in two kernels per layer, inside each consumer's
+    inputs (0.07 ms of kernels per step plus their launches, `h200/3b_profile_s13.md`)."""
+    half = inv_freq.shape[0]
+    out = torch.empty(2, 2 * half, dtype=like.dtype, device=like.device)
+    wrap_triton(_rope_table_kernel)[(1,)](pos, inv_freq, out, HALF=half, num_warps=1)
+    return out
+
+
+@triton.jit
 def _rope_rows(x_ptr, rows, d, cos, sin, HALF: tl.constexpr):
     """Rotate-half RoPE of rows `rows` of a row-major [*, 2*HALF] tensor, in float32 and rounded once, as Inductor
     computes it in the compiled text_decoder (eager rounds x * cos and rotate_half(x) * sin first: 1 ulp apart)."""

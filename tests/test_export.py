@@ -493,3 +493,28 @@ def test_tokenizer_that_disagrees_with_the_config_is_an_export_error(tiny_checkp
     with pytest.raises(ExportError, match=r"\[AUDIO\] is id 24"):
         export_bundle(model, source, tekken, tmp_path / "out", ExportOptions(cache_dir=tmp_path / "cache"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not (shutil.which("ld") and shutil.which("objcopy") and shutil.which("nm")), reason="binutils")
+def test_kernel_binaries_sharing_a_cubin_embed_as_separate_objects(tmp_path):
+    """torch 2.11's AOTInductor names the embedded object `<cubin>.o` whatever the kernel: two kernel names over one
+    cubin (the 3B step's attention) gave one object linked twice ("multiple definition of ___attention_kernel_N_start").
+    Inside `_one_object_per_kernel` each name gets its own object defining its own symbols, and both link together."""
+    import subprocess
+
+    from torch._inductor import codecache
+
+    cubin = tmp_path / "abc.cubin"
+    cubin.write_bytes(bytes(range(256)) * 4)
+    convert = codecache.convert_cubin_to_obj
+    assert convert(str(cubin), "kern_0", "ld", "objcopy") == convert(str(cubin), "kern_1", "ld", "objcopy")  # the bug
+    with exporter._one_object_per_kernel():
+        objs = [codecache.convert_cubin_to_obj(str(cubin), f"kern_{i}", "ld", "objcopy") for i in (0, 1)]
+    assert codecache.convert_cubin_to_obj is convert  # restored
+    assert len(set(objs)) == 2
+    for i, obj in enumerate(objs):
+        symbols = subprocess.run(["nm", obj], capture_output=True, text=True, check=True).stdout
+        assert f"__kern_{i}_start" in symbols and f"__kern_{1 - i}_start" not in symbols
+    so = tmp_path / "both.so"
+    subprocess.run(["gcc", "-shared", "-o", str(so), *objs], capture_output=True, text=True, check=True)
+    assert so.stat().st_size > 2 * 1024

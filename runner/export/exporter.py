@@ -299,7 +299,8 @@ def _one_object_per_kernel():
     twice: "multiple definition of `___attention_kernel_N_start'". Each kernel name gets its own copy of the
     cubin here. torch 2.13 embeds all binaries in one batched object, named per kernel, and calls this function
     only as its fallback."""
-    codecache = torch._inductor.codecache
+    from torch._inductor import codecache
+
     original = getattr(codecache, "convert_cubin_to_obj", None)
     if original is None:
         yield

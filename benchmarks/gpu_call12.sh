@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ran on the code now on branch s12-fused-attention (decode_step_sweep.py and the fused attention live there).
+# Ran on branch s12-fused-attention (decode_step_sweep.py lived there), which never reached main: a record only.
 # Session 12, GPU call 1: the decode step with rope and the cache write folded into attention, by L2-prefetch
 # plan and attention split, eager-in-a-graph and compiled, with per-slot layer timelines
 # (benchmarks/decode_step_sweep.py); then the kernel tests compiled on the GPU.

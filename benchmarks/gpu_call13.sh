@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ran on the code now on branch s12-fused-attention (decode_step_sweep.py and the fused attention live there).
+# Ran on branch s12-fused-attention (decode_step_sweep.py lived there), which never reached main: a record only.
 # Session 12, GPU call 2: the decode step with one attention kernel per layer (rope, the cache write and the
 # merge of the splits folded in) by split, eager-in-a-graph and compiled, with layer timelines
 # (benchmarks/decode_step_sweep.py); then the kernel tests (the CUDA runtime tests

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ran on the code now on branch s12-fused-attention (decode_step_sweep.py and the fused attention live there).
+# Ran on branch s12-fused-attention (decode_step_sweep.py lived there), which never reached main: a record only.
 # Session 12, GPU call 4: the final 3B numbers (text_decoder_step with one attention kernel per layer, the prefill
 # graph) benchmarked beside our eager model, transformers and transformers + torch.compile in one run (2 warm-ups: a
 # prompt shape is captured as a CUDA graph the second time it is seen), then checked against eager if time is left.

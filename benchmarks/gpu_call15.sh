@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ran on the code now on branch s12-fused-attention (decode_step_sweep.py and the fused attention live there).
+# Ran on branch s12-fused-attention (decode_step_sweep.py lived there), which never reached main: a record only.
 # Session 12, GPU call 3: the step with rope's cos/sin computed inside the attention kernel (the compiled step of
 # gpu_call13 recomputed them in two Inductor kernels per layer) and the tuned GEMV configs, eager and compiled.
 set -uo pipefail

@@ -3,8 +3,8 @@
 The dynamic `text_decoder` serves prefill and decode alike, so its matmuls are the general cuBLAS ones. The step
 method is the same decoder (the same parameters: the runtime binds one copy of the weights and one KV cache to
 both methods) exported for exactly one token. On CUDA it runs the hand-written kernels of `kernels.py`: RMSNorm
-folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and attention over the valid
-positions only. On CPU it is the plain decoder at S = 1.
+folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and one attention kernel per layer
+(RoPE, the cache write, attention over the valid positions only). On CPU it is the plain decoder at S = 1.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from torch.library import triton_op, wrap_triton
 # `h200/decode_kernels_sweep1.json`; us per call, ours vs cuBLAS: qkv 11.3 vs 14.7, o_proj 8.9 vs 12.7, gate_up 27.2
 # vs 27.4, down 14.9 vs 19.1, lm_head 181 vs 198). Session 12 tuned o_proj, gate_up and down inside the whole step,
 # where wider K tiles won (more bytes in flight per program): the step 2.288 -> 2.213 ms (`h200/step_sweep_s12b.*`,
-# branch s12-fused-attention). Other shapes (the tiny model) take the default.
+# the session-12 sweep's branch). Other shapes (the tiny model) take the default.
 GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms", 6144, 3072): (16, 512, 4, 3),
     ("add", 3072, 4096): (2, 2048, 8, 1),

@@ -1,6 +1,7 @@
 """The 3B `text_decoder_step` alone through torch.export + AOTInductor, with uninitialised weights: does its
-`.so` compile and link? About 40-100 s on the H200, where a whole export takes four to five minutes. Session 12 found the
-step with a cache-writing attention kernel failing at the link (`h200/step_link_s12.log`; fixed in session 13, NOTES item 20).
+`.so` compile and link? About 40-100 s on the H200, where a whole export takes four to five minutes. Session 12
+found the step with a cache-writing attention kernel failing at the link (`h200/step_link_s12.log`; fixed in
+session 13, NOTES item 20).
 
     python benchmarks/step_only_check.py     (GPU)
 """

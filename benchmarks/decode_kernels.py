@@ -9,6 +9,7 @@
    the cache write as AOTInductor will); logits compared with the eager decoder.
 
     python benchmarks/decode_kernels.py --out results.json     (GPU; about 3 minutes)
+    python benchmarks/decode_kernels.py --parts attention,step --attention-fills 385,450,512 --fill 450
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def reference_attention(q, kc, vc, pos, rep, d):
     return torch.matmul(torch.softmax(scores, dim=-1).to(vc.dtype), vc).reshape(-1)
 
 
-def sweep_attention(lm, c, results) -> dict:
+def sweep_attention(lm, c, results, fills=(512, 1000)) -> dict:
     """The fused op (RoPE, cache write, attention, split merge) against the written-out attention on the roped
     query over the cache it wrote (the reference's time leaves RoPE and the write out)."""
     rep, d = c.n_heads // c.n_kv_heads, c.head_dim
@@ -163,17 +164,14 @@ def sweep_attention(lm, c, results) -> dict:
     qkv = torch.randn((c.n_heads + 2 * c.n_kv_heads) * d, dtype=BF16, device=DEV)
     counters = torch.zeros(16, dtype=torch.int32, device=DEV)
     out = {}
-    for fill in (512, 1000):
+    for fill in fills:
         pos = torch.tensor([fill - 1], device=DEV)
         cos, sin = (t[0] for t in rope(pos, d, c.rope_theta, BF16))
         q = apply_rope(qkv[: c.n_heads * d].view(c.n_heads, d), cos, sin)
 
         def fused(p=pos, s=None, b=None, kc_vc=caches, cos=cos, sin=sin):
-            outs = []
-            for kc, vc in kc_vc:
-                counters.zero_()
-                outs.append(K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b))
-            return outs
+            # the counters need no zeroing between calls: the last split of each head resets its count
+            return [K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b) for kc, vc in kc_vc]
 
         ref_ms = graph_ms(lambda p=pos, q=q: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
@@ -250,18 +248,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="one GEMV config (a smoke run)")
-    ap.add_argument("--fill", type=int, default=512, help="cache positions already written")
+    ap.add_argument("--fill", type=int, default=512, help="cache positions already written (the step)")
+    ap.add_argument(
+        "--attention-fills", default="512,1000", help="cache fills for the attention sweep (the bench decodes 385-512)"
+    )
+    ap.add_argument("--parts", default="gemv,attention,step", help="which of gemv,attention,step to run")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    fills = [int(f) for f in args.attention_fills.split(",")]
     c = TextConfig()
     lm = build(c, 1024, 1000)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
-        best = sweep_gemv(lm, c, results, args.quick)
-        for kind, b in best.items():
-            K.GEMV_CONFIGS[(kind.split()[0], b["n"], b["k"])] = tuple(b["config"])
-        attn = sweep_attention(lm, c, results)
-        K.ATTN_SPLITS, K.ATTN_BLOCK_T = attn[512]["splits"], attn[512]["block_t"]
-        time_steps(lm, c, results, args.fill)
+        if "gemv" in parts:  # the best configs replace the table's for the step below
+            best = sweep_gemv(lm, c, results, args.quick)
+            for kind, b in best.items():
+                K.GEMV_CONFIGS[(kind.split()[0], b["n"], b["k"])] = tuple(b["config"])
+        if "attention" in parts:
+            attn = sweep_attention(lm, c, results, fills)
+            results["attention_table_config"] = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
+            print(f"attention: the table's config is {K.ATTN_SPLITS} x {K.ATTN_BLOCK_T}; the step uses it", flush=True)
+            del attn
+        if "step" in parts:
+            time_steps(lm, c, results, args.fill)
     finally:
         if args.out:
             with open(args.out, "w") as f:

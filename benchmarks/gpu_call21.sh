@@ -2,7 +2,8 @@
 # Planned for the next session (not run yet): where the last 0.061 ms per token goes (NOTES, "Decode: 2.283 ms per
 # token"). The 3B export with DEBUG=1 (the step's generated C++ kept: AOTInductor's launch parameters for the
 # attention kernel), the bundle's kernel table, then the attention kernel alone at the bench's positions and the
-# step eager in a graph, and the cold-digest load.
+# step eager in a graph, and the cold-digest load. DEBUG=1 also compiles the host wrapper without optimisation:
+# graph replays are unaffected, but take the final figures from a plain export.
 set -uo pipefail
 R=$OUT; L=/tmp/logs; mkdir -p $L
 . benchmarks/gpu_setup.sh > $L/env.txt 2>&1

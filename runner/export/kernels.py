@@ -39,7 +39,8 @@ DEFAULT_GEMV = (8, 512, 4, 2)
 # Splits of the positions per KV head, and positions per block. Session 12 (the step eager in a CUDA graph, H200,
 # `h200/step_sweep_s12b.*`): one attention kernel per layer with RoPE, the cache write and the split merge inside,
 # 6.2-6.6 us per layer; 4 x 128 and 8 x 64 within 2 us per step of each other. Session 11's kernel plus its
-# combine kernel and Inductor's rope and cache write: 7.8 + 2.7 us.
+# combine kernel and Inductor's rope and cache write: 7.8 + 2.7 us. In session 13's 3B bundle this kernel took 7.8
+# us per layer (`h200/3b_profile_s13.md`); why it is slower there than in the sweep is open (NOTES.md).
 ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
 
 

@@ -304,10 +304,9 @@ def main() -> None:
             for kind, b in best.items():
                 K.GEMV_CONFIGS[(kind.split()[0], b["n"], b["k"])] = tuple(b["config"])
         if "attention" in parts:
-            attn = sweep_attention(lm, c, results, fills)
+            sweep_attention(lm, c, results, fills)
             results["attention_table_config"] = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
             print(f"attention: the table's config is {K.ATTN_SPLITS} x {K.ATTN_BLOCK_T}; the step uses it", flush=True)
-            del attn
         if "step" in parts:
             time_steps(lm, c, results, args.fill)
         if "tune" in parts:

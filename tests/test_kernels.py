@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from runner.export import kernels as K  # noqa: E402
 from runner.export.config import preset  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
-from runner.export.model import Voxtral, apply_rope, rope  # noqa: E402
+from runner.export.model import Voxtral, apply_rope, rope, rope_inv_freq  # noqa: E402
 
 
 def rms(x, g, eps):
@@ -94,9 +94,8 @@ def reference_attention(q, kc, vc, pos):
 def test_rope_table(pos):
     """One kernel per step for every layer's RoPE: model.rope's cos and sin, within one rounding of the dtype."""
     d, theta = 128, 1e8
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=DEV) / d))
     pos_t = torch.tensor([pos], device=DEV)
-    got = K.rope_table(pos_t, inv_freq, torch.empty(0, dtype=torch.bfloat16, device=DEV))
+    got = K.rope_table(pos_t, rope_inv_freq(d, theta, DEV), torch.empty(0, dtype=torch.bfloat16, device=DEV))
     cos, sin = rope(pos_t, d, theta, torch.bfloat16)
     assert got.shape == (2, d) and got.dtype == torch.bfloat16
     assert (got.float() - torch.cat([cos, sin]).float()).abs().max() <= 2**-8

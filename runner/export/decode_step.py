@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from runner.export.config import TextConfig
-from runner.export.model import LanguageModel
+from runner.export.model import LanguageModel, rope_inv_freq
 
 
 class DecodeStep(nn.Module):
@@ -30,9 +30,8 @@ class DecodeStep(nn.Module):
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         c, d, ops = self.c, self.c.head_dim, torch.ops.voxtral
         x = embeds.reshape(c.dim)
-        # [2, D] cos, sin: one position, all layers (inv_freq as model.rope computes it)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=embeds.device) / d))
-        cos, sin = ops.rope_table(cache_position, inv_freq, embeds)
+        # [2, D] cos, sin: one position, all layers
+        cos, sin = ops.rope_table(cache_position, rope_inv_freq(d, c.rope_theta, embeds.device), embeds)
         # each layer's attention counts its finished splits in its own slots, a multiple of 16 (every layer's slice
         # is aligned alike, so one compiled kernel serves all); zeroed once per step, one small kernel
         slots = -(-c.n_kv_heads // 16) * 16

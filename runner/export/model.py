@@ -95,10 +95,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """RoPE's rotation frequencies [head_dim / 2], float32 (as HF's Llama computes them)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
 def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [seq, head_dim] for the given positions, computed in float32 (as HF's Llama does)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -294,7 +294,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    fills = [int(f) for f in args.attention_fills.split(",")]
+    if parts - {"gemv", "attention", "step", "tune"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'gemv', 'attention', 'step', 'tune'})}")
+    try:
+        fills = [int(f) for f in args.attention_fills.split(",")]
+    except ValueError:
+        ap.error(f"--attention-fills: comma-separated integers, got {args.attention_fills!r}")
+    if not all(1 <= f <= 1024 for f in fills) or not 0 <= args.fill < 1024:  # the sweep's cache holds 1024
+        ap.error("--attention-fills: 1 to 1024 positions each; --fill: a position from 0 to 1023")
     c = TextConfig()
     lm = build(c, 1024, 1000)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -20,6 +20,8 @@ from runner.export.config import preset
 from runner.export.model import Voxtral
 from runner.program import Program
 
+if len(sys.argv) != 3 or not (Path(sys.argv[1]) / "text_decoder.safetensors").is_file():
+    sys.exit("usage: python benchmarks/step_debug.py BUNDLE PRESET  (a CUDA bundle exported with DEBUG=1)")
 bundle, name = Path(sys.argv[1]), sys.argv[2]
 with torch.device("cuda"):
     m = Voxtral(preset(name)).to(torch.bfloat16).eval()

@@ -11,6 +11,7 @@
     python benchmarks/decode_kernels.py --out results.json     (GPU; about 3 minutes)
     python benchmarks/decode_kernels.py --parts attention,step --attention-fills 385,450,512 --fill 450
     python benchmarks/decode_kernels.py --parts tune --fill 450     (each GEMV's config inside the step)
+    python benchmarks/decode_kernels.py --parts prefetch,tune --fill 450     (the attention's L2 prefetch, then tuning)
 """
 
 from __future__ import annotations
@@ -281,6 +282,54 @@ def tune_in_step(lm, c, results, fill: int) -> None:
     results["in_step_tuning"] = out
 
 
+def prefetch_in_step(lm, c, results, fill: int, rounds: int = 4) -> None:
+    """The attention kernel's L2 prefetch of o_proj (kernels.ATTN_PREFETCH_BYTES) inside the whole step (eager,
+    one CUDA graph): none, a third, two thirds, all of the 25 MB, measured in alternating rounds so a drift of
+    the machine's clocks falls on every setting alike. Also the attention's splits x BLOCK_T again with the
+    prefetch on: attention now shares HBM with it."""
+    emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
+    pos = torch.tensor([fill], device=DEV)
+    step = DecodeStep(c, lm)
+    o_bytes = c.dim * c.n_heads * c.head_dim * 2
+    held = K.ATTN_PREFETCH_BYTES
+    settings = [0, o_bytes // 3, 2 * o_bytes // 3, None]
+    times: dict = {str(b): [] for b in settings}
+    out: dict = {}
+    with torch.no_grad():
+        try:
+            ref = None
+            for b in settings:  # the prefetch only moves bytes into L2: the logits must not change
+                K.ATTN_PREFETCH_BYTES = b
+                got = step(emb, pos).clone()
+                ref = got if ref is None else ref
+                assert torch.equal(got, ref), f"prefetch {b} changed the logits"
+            for _ in range(rounds):
+                for b in settings:
+                    K.ATTN_PREFETCH_BYTES = b
+                    times[str(b)].append(graph_ms(lambda: step(emb, pos), 30))
+            out["step_ms"] = {b: sorted(t)[len(t) // 2] for b, t in times.items()}
+            out["step_ms_all"] = times
+            print(
+                "prefetch in step (ms/step, median of rounds): "
+                + ", ".join(f"{b}: {ms:.4f}" for b, ms in out["step_ms"].items()),
+                flush=True,
+            )
+            best = min(settings, key=lambda b: out["step_ms"][str(b)])
+            K.ATTN_PREFETCH_BYTES = best
+            rows = []
+            held_attn = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
+            for splits, bt in ((1, 128), (2, 128), (2, 256), (4, 64), (4, 128), (8, 64), (8, 32)):
+                K.ATTN_SPLITS, K.ATTN_BLOCK_T = splits, bt
+                rows.append((graph_ms(lambda: step(emb, pos), 30), splits, bt))
+            K.ATTN_SPLITS, K.ATTN_BLOCK_T = held_attn
+            rows.sort()
+            out["attention_with_prefetch"] = {"prefetch": best, "rows": rows}
+            print(f"attention in step, prefetch {best}: " + ", ".join(f"{s}x{b} {ms:.4f}" for ms, s, b in rows))
+        finally:
+            K.ATTN_PREFETCH_BYTES = held
+    results["prefetch_in_step"] = out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -290,12 +339,15 @@ def main() -> None:
         "--attention-fills", default="512,1000", help="cache fills for the attention sweep (the bench decodes 385-512)"
     )
     ap.add_argument(
-        "--parts", default="gemv,attention,step", help="which of gemv,attention,step,tune (in-step GEMV tuning) to run"
+        "--parts",
+        default="gemv,attention,step",
+        help="which of gemv,attention,step,tune (in-step GEMV tuning),prefetch (attention's L2 prefetch in the step)",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"gemv", "attention", "step", "tune"}:
-        ap.error(f"--parts: unknown {sorted(parts - {'gemv', 'attention', 'step', 'tune'})}")
+    known = {"gemv", "attention", "step", "tune", "prefetch"}
+    if parts - known:
+        ap.error(f"--parts: unknown {sorted(parts - known)}")
     try:
         fills = [int(f) for f in args.attention_fills.split(",")]
     except ValueError:
@@ -316,6 +368,8 @@ def main() -> None:
             print(f"attention: the table's config is {K.ATTN_SPLITS} x {K.ATTN_BLOCK_T}; the step uses it", flush=True)
         if "step" in parts:
             time_steps(lm, c, results, args.fill)
+        if "prefetch" in parts:
+            prefetch_in_step(lm, c, results, args.fill)
         if "tune" in parts:
             tune_in_step(lm, c, results, args.fill)
     finally:

@@ -11,7 +11,6 @@
     python benchmarks/decode_kernels.py --out results.json     (GPU; about 3 minutes)
     python benchmarks/decode_kernels.py --parts attention,step --attention-fills 385,450,512 --fill 450
     python benchmarks/decode_kernels.py --parts tune --fill 450     (each GEMV's config inside the step)
-    python benchmarks/decode_kernels.py --parts prefetch,tune --fill 450     (the attention's L2 prefetch, then tuning)
 """
 
 from __future__ import annotations
@@ -248,9 +247,10 @@ def time_steps(lm, c, results, fill: int) -> None:
 
 
 def tune_in_step(lm, c, results, fill: int) -> None:
-    """Each GEMV kind's config tuned inside the whole step (eager, one CUDA graph), the other kinds held at the
-    table's: in the step a kernel starts behind another's tail, which an isolated sweep does not see (session 12
-    tuned o_proj, gate_up and down this way, -0.075 ms; qkv and lm_head were not)."""
+    """Each GEMV kind's config, then attention's splits x BLOCK_T, tuned inside the whole step (eager, one CUDA
+    graph), the other kinds held at the table's: in the step a kernel starts behind another's tail, which an
+    isolated sweep does not see (session 12 tuned o_proj, gate_up and down this way, -0.075 ms; qkv and lm_head
+    were not). Each result is kept as soon as it is measured: a failure later still leaves it in --out."""
     emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
     pos = torch.tensor([fill], device=DEV)
     step = DecodeStep(c, lm)
@@ -262,7 +262,7 @@ def tune_in_step(lm, c, results, fill: int) -> None:
         "down": ("add", c.dim, c.ffn_dim),
         "lm_head": ("rms_f32", c.vocab_size, c.dim),
     }
-    out = {}
+    out = results["in_step_tuning"] = {}
     with torch.no_grad():
         for name, key in keys.items():
             held = K.GEMV_CONFIGS.get(key, K.DEFAULT_GEMV)
@@ -279,55 +279,19 @@ def tune_in_step(lm, c, results, fill: int) -> None:
             held_ms = next(ms for ms, cfg in rows if cfg == held)
             out[name] = {"best": rows[0][1], "best_ms": rows[0][0], "held": held, "held_ms": held_ms, "top5": rows[:5]}
             print(f"in-step {name}: best {rows[0][1]} {rows[0][0]:.4f} ms/step; the table's {held} {held_ms:.4f}")
-    results["in_step_tuning"] = out
-
-
-def prefetch_in_step(lm, c, results, fill: int, rounds: int = 4) -> None:
-    """The attention kernel's L2 prefetch of o_proj (kernels.ATTN_PREFETCH_BYTES) inside the whole step (eager,
-    one CUDA graph): none, a third, two thirds, all of the 25 MB, measured in alternating rounds so a drift of
-    the machine's clocks falls on every setting alike. Also the attention's splits x BLOCK_T again with the
-    prefetch on: attention now shares HBM with it."""
-    emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
-    pos = torch.tensor([fill], device=DEV)
-    step = DecodeStep(c, lm)
-    o_bytes = c.dim * c.n_heads * c.head_dim * 2
-    held = K.ATTN_PREFETCH_BYTES
-    settings = [0, o_bytes // 3, 2 * o_bytes // 3, None]
-    times: dict = {str(b): [] for b in settings}
-    out: dict = {}
-    with torch.no_grad():
-        try:
-            ref = None
-            for b in settings:  # the prefetch only moves bytes into L2: the logits must not change
-                K.ATTN_PREFETCH_BYTES = b
-                got = step(emb, pos).clone()
-                ref = got if ref is None else ref
-                assert torch.equal(got, ref), f"prefetch {b} changed the logits"
-            for _ in range(rounds):
-                for b in settings:
-                    K.ATTN_PREFETCH_BYTES = b
-                    times[str(b)].append(graph_ms(lambda: step(emb, pos), 30))
-            out["step_ms"] = {b: sorted(t)[len(t) // 2] for b, t in times.items()}
-            out["step_ms_all"] = times
-            print(
-                "prefetch in step (ms/step, median of rounds): "
-                + ", ".join(f"{b}: {ms:.4f}" for b, ms in out["step_ms"].items()),
-                flush=True,
-            )
-            best = min(settings, key=lambda b: out["step_ms"][str(b)])
-            K.ATTN_PREFETCH_BYTES = best
-            rows = []
-            held_attn = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
-            for splits, bt in ((1, 128), (2, 128), (2, 256), (4, 64), (4, 128), (8, 64), (8, 32)):
-                K.ATTN_SPLITS, K.ATTN_BLOCK_T = splits, bt
-                rows.append((graph_ms(lambda: step(emb, pos), 30), splits, bt))
-            K.ATTN_SPLITS, K.ATTN_BLOCK_T = held_attn
-            rows.sort()
-            out["attention_with_prefetch"] = {"prefetch": best, "rows": rows}
-            print(f"attention in step, prefetch {best}: " + ", ".join(f"{s}x{b} {ms:.4f}" for ms, s, b in rows))
-        finally:
-            K.ATTN_PREFETCH_BYTES = held
-    results["prefetch_in_step"] = out
+        # attention's splits x BLOCK_T likewise: in the step its cache reads come from HBM (the GEMVs between two
+        # layers stream ~240 MB through L2), in the attention sweep largely from L2. BLOCK_T 256 needs more shared
+        # memory than the H200 has (274 KB, session 14).
+        held = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
+        rows = []
+        for cfg in sorted({held, (1, 128), (2, 64), (2, 128), (4, 64), (4, 128), (8, 32), (8, 64)}):
+            K.ATTN_SPLITS, K.ATTN_BLOCK_T = cfg
+            rows.append((graph_ms(lambda: step(emb, pos), 30), cfg))
+        K.ATTN_SPLITS, K.ATTN_BLOCK_T = held
+        rows.sort()
+        held_ms = next(ms for ms, cfg in rows if cfg == held)
+        out["attention"] = {"best": rows[0][1], "best_ms": rows[0][0], "held": held, "held_ms": held_ms, "rows": rows}
+        print(f"in-step attention: best {rows[0][1]} {rows[0][0]:.4f} ms/step; the table's {held} {held_ms:.4f}")
 
 
 def main() -> None:
@@ -339,15 +303,12 @@ def main() -> None:
         "--attention-fills", default="512,1000", help="cache fills for the attention sweep (the bench decodes 385-512)"
     )
     ap.add_argument(
-        "--parts",
-        default="gemv,attention,step",
-        help="which of gemv,attention,step,tune (in-step GEMV tuning),prefetch (attention's L2 prefetch in the step)",
+        "--parts", default="gemv,attention,step", help="which of gemv,attention,step,tune (in-step GEMV tuning) to run"
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    known = {"gemv", "attention", "step", "tune", "prefetch"}
-    if parts - known:
-        ap.error(f"--parts: unknown {sorted(parts - known)}")
+    if parts - {"gemv", "attention", "step", "tune"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'gemv', 'attention', 'step', 'tune'})}")
     try:
         fills = [int(f) for f in args.attention_fills.split(",")]
     except ValueError:
@@ -368,8 +329,6 @@ def main() -> None:
             print(f"attention: the table's config is {K.ATTN_SPLITS} x {K.ATTN_BLOCK_T}; the step uses it", flush=True)
         if "step" in parts:
             time_steps(lm, c, results, args.fill)
-        if "prefetch" in parts:
-            prefetch_in_step(lm, c, results, args.fill)
         if "tune" in parts:
             tune_in_step(lm, c, results, args.fill)
     finally:

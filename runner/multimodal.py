@@ -44,6 +44,9 @@ class Engine(Protocol):
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor: ...  # [1,1] -> logits [1, V]
     def run_prefill(self, compute: Callable, inputs: list[torch.Tensor]): ...  # compute(*inputs), maybe graphed
 
+    # Optional: `decode_greedy(token, pos, n)` -> the next n greedy tokens [1, n] on the device, and
+    # `greedy_chain` (the n it runs fastest, as one launch). Without them, greedy_steps() below.
+
 
 class ProgramEngine:
     def __init__(self, program: Program, cuda_graph: bool = True):
@@ -59,6 +62,7 @@ class ProgramEngine:
         self._step = m.get("text_decoder_step")
         self.use_cuda_graph = cuda_graph and self.device == "cuda"
         self.graph: DecodeGraph | None = None
+        self.chain: GreedyChainGraph | None = None
         self.prefill_graphs = PrefillGraphs(self) if self.use_cuda_graph else None
         self.graph_safe = False  # True while a prefill is warmed up or captured: methods run capturably
 
@@ -85,10 +89,30 @@ class ProgramEngine:
         return self.prefill_graphs.run(compute, inputs)
 
     def reset(self):
-        # Capture before any prefill: the warm-up and the capture write one cache position, wiped here.
+        # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
             self.graph = DecodeGraph(self)
+            if GREEDY_CHAIN <= self.max_seq_len:
+                self.chain = GreedyChainGraph(self, GREEDY_CHAIN)
+        if self.chain is not None:
+            self.chain.next_pos = -1  # a new input: its first chain starts from the token it is given
         self.program.reset_state()
+
+    @property
+    def greedy_chain(self) -> int:
+        return self.chain.steps if self.chain is not None else 1
+
+    def decode_greedy(self, token: torch.Tensor, pos: int, n: int) -> torch.Tensor:
+        if self.chain is not None and n == self.chain.steps:
+            return self.chain.run(token, pos)
+        return greedy_steps(self, token, pos, n)
+
+    def graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """token_embedding + the decoder at one position, capturably (`...RunSingleThreaded` on the current
+        stream): what a decode graph records."""
+        emb, dec = self._emb, self._step or self._dec
+        embeds = emb.backend.execute(emb.handle, [token], graph_safe=True)[0]
+        return dec.backend.execute(dec.handle, [embeds, pos, *self.graph_inputs()], graph_safe=True)[0]
 
     def graph_inputs(self) -> tuple[torch.Tensor, ...]:
         """text_decoder inputs after (embeds, cache_position), as static tensors a captured step can read."""
@@ -106,6 +130,15 @@ def decode_token(e: Engine, token: torch.Tensor, pos: int, decode=None) -> torch
     position is filled on the device (torch.full), not copied from the host: a host copy would wait for the step
     queued before it."""
     return (decode or e.decode)(e.embed(token.view(1, 1)), torch.full((1,), pos, dtype=torch.int64, device=e.device))
+
+
+def greedy_steps(e: Engine, token: torch.Tensor, pos: int, n: int) -> torch.Tensor:
+    """n greedy decode steps from token [1, 1] at pos, queued on the device with no host sync -> tokens [1, n]."""
+    out = []
+    for i in range(n):
+        token = e.decode_token(token, pos + i).argmax(dim=-1, keepdim=True)
+        out.append(token)
+    return out[0] if n == 1 else torch.cat(out, dim=1)
 
 
 class _Done:
@@ -134,27 +167,70 @@ class DecodeGraph:
         self.engine = engine
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
-        emb, dec = engine._emb, engine._step or engine._dec
-        extra = list(engine.graph_inputs())
-        run = lambda: dec.backend.execute(  # noqa: E731
-            dec.handle,
-            [emb.backend.execute(emb.handle, [self.token], graph_safe=True)[0], self.pos, *extra],
-            graph_safe=True,
-        )[0]
-        side = torch.cuda.Stream(device=engine.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (lazy init, workspace allocation)
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = run()
+        self.graph, self.logits = _capture(engine, lambda: engine.graph_step(self.token, self.pos))
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.token.copy_(token.view(1, 1))
         self.pos.fill_(pos)
         self.graph.replay()
         return self.logits  # static: read it before the next step
+
+
+def _capture(engine: ProgramEngine, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured."""
+    side = torch.cuda.Stream(device=engine.device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+# Greedy tokens per decode-graph replay. Each step's argmax feeds the next inside the graph, so per GREEDY_CHAIN
+# tokens the stream carries one replay, one copy to the host and one event, where the one-step graph needs,
+# around every replay, the token's copy in, the position, the argmax, the copy out and an event (≈ 30 us per token
+# beyond the replay on the H200 at 3B, benchmarks/NOTES.md). Up to 2 * GREEDY_CHAIN - 1 steps may run past an
+# EOS (two chains are kept queued); they only write cache positions the next reset() wipes.
+GREEDY_CHAIN = 8
+
+
+class GreedyChainGraph:
+    """`steps` greedy decode steps as one CUDA graph: step k embeds the argmax of step k - 1 and runs at the next
+    position, both advanced on the device. The last token and the position after it stay in the graph's inputs,
+    so a chain that continues the previous one needs nothing written before its replay."""
+
+    def __init__(self, engine: ProgramEngine, steps: int):
+        dev, i64 = engine.device, torch.int64
+        self.steps = steps
+        self.token = torch.zeros(1, 1, dtype=i64, device=dev)  # the input token, then the last one chosen
+        self.pos = torch.zeros(1, dtype=i64, device=dev)  # the next step's position
+        self.out = torch.zeros(1, steps, dtype=i64, device=dev)
+        self.next_pos = -1  # host copy of self.pos after the last replay (-1: unknown)
+        chosen = [torch.zeros(1, 1, dtype=i64, device=dev) for _ in range(steps)]
+
+        def run() -> torch.Tensor:
+            token = self.token
+            for t in chosen:
+                torch.argmax(engine.graph_step(token, self.pos), dim=-1, keepdim=True, out=t)
+                self.pos.add_(1)
+                token = t
+            torch.cat(chosen, dim=1, out=self.out)
+            self.token.copy_(chosen[-1])
+            return self.out
+
+        self.graph, _ = _capture(engine, run)
+
+    def run(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """The next `steps` greedy tokens after token [1, 1] at pos -> [1, steps], valid until the next run."""
+        if pos != self.next_pos or token.data_ptr() != self.out[:, -1:].data_ptr():  # not where the last chain ended
+            self.token.copy_(token.view(1, 1))
+            self.pos.fill_(pos)
+        self.graph.replay()
+        self.next_pos = pos + self.steps
+        return self.out
 
 
 class PrefillGraphs:
@@ -424,7 +500,10 @@ class MultimodalRunner:
                     return sampler(logits)
                 return torch.full((1, 1), forced[n], dtype=torch.int64, device=e.device)
 
-            steps = self._token_stream(logits, len(prompt_ids), limit, choose, opts.record_logits, stats)
+            if forced is None and sampler.generator is None and not opts.record_logits:
+                steps = self._greedy_stream(logits, len(prompt_ids), limit, stats)
+            else:
+                steps = self._token_stream(logits, len(prompt_ids), limit, choose, opts.record_logits, stats)
             for tok_id, chosen_from in steps:
                 if not tokens:
                     stats.first_token_ms = now_ms()
@@ -482,6 +561,39 @@ class MultimodalRunner:
             done.synchronize()
             ahead = 1
             yield int(host), (kept.cpu() if kept is not None else None)
+
+    def _greedy_stream(self, logits, pos: int, limit: int, stats: Stats):
+        """Greedy decoding in chains: the engine's `decode_greedy` queues n steps at once (one CUDA-graph replay
+        for a whole chain, GreedyChainGraph) and the host reads each chain's tokens with one copy. Yields
+        (token id, None), the same tokens as `_token_stream` with the greedy sampler. Two chains stay queued, as
+        one step does there; a tail shorter than a chain (the token limit, the context's end) runs step by step."""
+        e, queue, n, ahead = self.engine, deque(), 0, 0
+        decode_greedy = getattr(e, "decode_greedy", None) or (lambda t, p, k: greedy_steps(e, t, p, k))
+        chain = getattr(e, "greedy_chain", 1)
+
+        def launch(tokens: torch.Tensor) -> torch.Tensor:  # [1, k] on the device, copied out before it is reused
+            nonlocal n
+            queue.append((tokens.to("cpu", non_blocking=True), _recorded_event(e.device)))
+            n += tokens.shape[1]
+            return tokens[:, -1:]
+
+        if limit < 1:
+            return
+        t0 = now_ms()
+        token = launch(logits.argmax(dim=-1, keepdim=True))
+        stats.aggregate_sampling_time_ms += now_ms() - t0
+        while True:
+            while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
+                k = chain if min(limit - n, e.max_seq_len - pos) >= chain else 1  # the argmax is the step's own
+                token = launch(decode_greedy(token, pos, k))
+                pos += k
+            if not queue:
+                return
+            host, done = queue.popleft()
+            done.synchronize()
+            ahead = 1
+            for tok_id in host.view(-1).tolist():
+                yield int(tok_id), None
 
     def prompt_for(self, audio_path: str | os.PathLike, prompt: str | None, language: str | None) -> list[Segment]:
         samples = load_audio(audio_path)

@@ -90,3 +90,29 @@ def test_decode_steps_run_the_kernels_and_match_text_decoder(cuda_bundle):
         for i in range(17, 20):
             got = step(prompt[:, i : i + 1], torch.tensor([i], device="cuda"))[0]
         assert (got - want).abs().max() <= 5e-2 * want.abs().max()  # the export self-check's bf16 tolerance
+
+
+def test_greedy_chains_give_the_step_by_step_tokens(runner, cuda_bundle):
+    """Greedy decoding through the CUDA graph of GREEDY_CHAIN steps (each argmax feeding the next step in the
+    graph) against the one-step graph (record_logits takes that path) and against no graph at all: the same
+    kernels, so the same tokens. 1 + 3 chains + 4 single steps; a second run starts its first chain afresh."""
+    from runner.multimodal import GREEDY_CHAIN
+
+    n = 1 + 3 * GREEDY_CHAIN + GREEDY_CHAIN // 2
+    prompt = _prompt(runner, "What is said?")
+    engine = runner.engine
+    engine.reset()
+    assert engine.chain is not None and engine.greedy_chain == GREEDY_CHAIN
+    replays = []
+    run = engine.chain.run
+    engine.chain.run = lambda token, pos: replays.append(pos) or run(token, pos)
+    greedy = GenerationOptions(max_new_tokens=n, min_new_tokens=n)
+    chained = [runner.generate(prompt, greedy) for _ in range(2)]
+    stepwise = runner.generate(prompt, GenerationOptions(max_new_tokens=n, min_new_tokens=n, record_logits=True))
+    start = len(chained[0].prompt_ids)
+    assert replays == [start + i * GREEDY_CHAIN for i in range(3)] * 2
+    assert chained[0].tokens == chained[1].tokens == stepwise.tokens and len(stepwise.tokens) == n
+    assert [int(x.argmax()) for x in stepwise.logits] == stepwise.tokens
+    with Program.load(cuda_bundle) as program:
+        plain = MultimodalRunner(ProgramEngine(program, cuda_graph=False), runner.tok)
+        assert plain.generate(prompt, greedy).tokens == stepwise.tokens

@@ -1,7 +1,8 @@
 """The decode loop's contract, on a scripted engine whose next token is a known function of (token, position):
 the same tokens and stop reasons as a plain one-step-at-a-time loop, while keeping one step queued ahead; no
 step at or past the end of the context; recorded logits that are the ones each token was chosen from even when
-the engine overwrites one logits buffer every step (as a CUDA-graph replay does)."""
+the engine overwrites one logits buffer every step (as a CUDA-graph replay does); greedy steps queued in chains
+(as ProgramEngine's CUDA graph of several steps runs them) giving the same tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from runner.errors import GenerationError
-from runner.multimodal import GenerationOptions, MultimodalRunner, TextSegment
+from runner.multimodal import GenerationOptions, MultimodalRunner, TextSegment, greedy_steps
 from runner.tokenizer import Tekken
 
 TEKKEN = Path(__file__).resolve().parents[1] / "fixtures" / "tekken.json"
@@ -97,6 +98,43 @@ def test_context_end_stops_without_a_step_past_it(max_seq_len):
     want, reason = reference(prompt, opts, max_seq_len)
     assert (result.tokens, result.stop_reason) == (want, "context") and reason == "context"
     assert max(p for _, p in engine.steps) == max_seq_len - 1
+
+
+class ChainedEngine(ScriptedEngine):
+    """Greedy steps queued `greedy_chain` at a time, as ProgramEngine's CUDA-graph chain does on a GPU."""
+
+    greedy_chain = 4
+
+    def __init__(self, max_seq_len: int = 512):
+        super().__init__(max_seq_len)
+        self.chains: list[tuple[int, int]] = []  # (position, steps) of every decode_greedy call
+
+    def decode_greedy(self, token, pos, n):
+        self.chains.append((pos, n))
+        return greedy_steps(self, token, pos, n)
+
+
+@pytest.mark.parametrize("first", [1, 4, 7, 11, 30])
+@pytest.mark.parametrize("max_new, min_new", [(1, 0), (5, 0), (6, 6), (40, 0), (40, 40), (200, 0)])
+@pytest.mark.parametrize("max_seq_len", [512, 23])
+def test_greedy_chains_give_the_one_step_loops_tokens(first, max_new, min_new, max_seq_len):
+    """Chains of 4 steps: the same tokens and stop reasons as the plain loop; whole chains only where the token
+    limit and the context leave room for 4 more, single steps after; at most two chains queued past the last
+    token read; no step at or past the context's end, none past the token limit."""
+    prompt = [1, first]
+    opts = GenerationOptions(max_new_tokens=max_new, min_new_tokens=min_new)
+    engine = ChainedEngine(max_seq_len)
+    result = MultimodalRunner(engine, Tekken.from_file(TEKKEN)).generate([TextSegment(tuple(prompt))], opts)
+    want, reason = reference(prompt, opts, max_seq_len)
+    assert (result.tokens, result.stop_reason) == (want, reason)
+    positions = [p for _, p in engine.steps]
+    assert positions == list(range(len(prompt), len(prompt) + len(engine.steps)))
+    assert [t for t, _ in engine.steps][: len(want) - 1] == want[:-1]
+    assert len(engine.steps) <= max_new - 1 and (not positions or positions[-1] < max_seq_len)
+    assert len(engine.steps) - (len(want) - 1) <= 2 * 4 - 1
+    for i, (pos, n) in enumerate(engine.chains):  # a single step only where a whole chain did not fit
+        room = min(max_new - (pos - len(prompt) + 1), max_seq_len - pos)
+        assert n == (4 if room >= 4 else 1), (i, pos, n, room)
 
 
 def test_recorded_logits_are_each_tokens_own_despite_one_shared_buffer():

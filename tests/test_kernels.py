@@ -101,26 +101,9 @@ def test_rope_table(pos):
     assert (got.float() - torch.cat([cos, sin]).float()).abs().max() <= 2**-8
 
 
-@pytest.mark.parametrize("nbytes", [16, 4096, 6 * 2**20 + 48, 25165824])
-@pytest.mark.parametrize("programs", [1, 8, 32])
-def test_prefetch_chunks_cover_the_weight(nbytes, programs):
-    """The attention kernel's L2 prefetch: its chunks, clamped as the kernel clamps them, cover every byte of the
-    range and none outside it, each a 16-byte multiple at a 16-byte aligned offset."""
-    chunk = K.prefetch_chunk(nbytes, programs)
-    assert chunk % 16 == 0 and 0 < chunk <= nbytes
-    covered = torch.zeros(nbytes // 16, dtype=torch.bool)
-    for c in range(programs * K.PREFETCH_PER_PROGRAM):
-        at = min(c * chunk, nbytes - chunk)
-        assert at % 16 == 0 and at >= 0
-        covered[at // 16 : (at + chunk) // 16] = True
-    assert covered.all()
-    assert K.prefetch_chunk(15, programs) == 0
-
-
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
 @pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16)])  # tl.dot: block_t >= 16
-@pytest.mark.parametrize("prefetch", [False, True])  # o_proj's weight into L2 (on sm_90; elsewhere a no-op)
-def test_decode_attention(pos, splits, block_t, prefetch):
+def test_decode_attention(pos, splits, block_t):
     """The fused op against apply_rope + a cache write + attention in float32: output, the written slot, every other
     slot untouched, and the split counters (the last split of each KV head merges)."""
     g = torch.Generator().manual_seed(pos)
@@ -136,13 +119,8 @@ def test_decode_attention(pos, splits, block_t, prefetch):
     want_v[0, :, pos] = v.view(kv, d)
     counters = torch.zeros(32, dtype=torch.int32, device=DEV)
     pos_t = torch.tensor([pos], device=DEV)
-    w = torch.randn(3 * d, h * d, generator=g).to(DEV, DOT_DTYPE) if prefetch else None
-    args = (qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t, w)
-    w_before = w.clone() if prefetch else None
-    got = K._launch_attention(*args)
+    got = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert got.shape == (h * d,)
-    if prefetch:
-        assert torch.equal(w, w_before)  # only read
     assert torch.equal(vc, want_v)
     # RoPE rounded once (as Inductor's compiled decoder rounds it), eager after each product too: apart by at most
     # those roundings: eps/2 of each term (|cos|, |sin| <= 1) and of each result; other slots untouched
@@ -154,7 +132,7 @@ def test_decode_attention(pos, splits, block_t, prefetch):
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
     assert (got.float() - reference_attention(q, want_k, want_v, pos)).abs().max() < tol
     assert not counters.any()  # the last split of each head resets its count: a second call merges again
-    again = K._launch_attention(*args)
+    again = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert torch.equal(again, got)
 
 

@@ -40,10 +40,8 @@ class DecodeStep(nn.Module):
             attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
-            # RoPE, this position's cache write and the attention in one kernel, which prefetches o_proj into L2
-            a = ops.decode_attention(
-                qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counters, i * slots, attn.o_proj.weight
-            )
+            # RoPE, this position's cache write and the attention in one kernel
+            a = ops.decode_attention(qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counters, i * slots)
             x = ops.gemv_add(a, attn.o_proj.weight, x)
             h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
             x = ops.gemv_add(h, mlp.down_proj.weight, x)

@@ -18,8 +18,6 @@ compiles the Triton kernel into the `.so`. Triton is imported only here: CPU exp
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -44,12 +42,6 @@ DEFAULT_GEMV = (8, 512, 4, 2)
 # combine kernel and Inductor's rope and cache write: 7.8 + 2.7 us. In session 13's 3B bundle this kernel took 7.8
 # us per layer (`h200/3b_profile_s13.md`); why it is slower there than in the sweep is open (NOTES.md).
 ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
-# Bytes of the next GEMV's weight (o_proj's) the attention kernel prefetches into L2; None: all of it, 0: none.
-# Attention is latency-bound: it reads 1.6 MB of cache in 7.8 us, while HBM could deliver ~30 MB. o_proj's 25 MB
-# streamed into L2 in that window is read by the GEMV after it from L2 instead of HBM (sm_90's bulk L2 prefetch,
-# one instruction per 6 KB; no completion to wait for). Not under Triton's interpreter: it has no inline PTX.
-ATTN_PREFETCH_BYTES: int | None = None
-PREFETCH_PER_PROGRAM = 128  # one bulk prefetch per thread of the attention's 4 warps
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
@@ -209,10 +201,6 @@ def _attention_kernel(
     REP_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr,
-    pf_ptr,
-    PF_BYTES: tl.constexpr,
-    PF_CHUNK: tl.constexpr,
-    PF_PER_PROGRAM: tl.constexpr,
 ):
     """Program (kv head j, split s) of one decode step: RoPE on the REP query heads of KV head j and on its new
     key (read raw from the qkv GEMV's output), then attention over positions [0, pos], the s-th of SPLITS slices.
@@ -222,26 +210,11 @@ def _attention_kernel(
     - The splits are merged by whichever finishes last (a per-head counter, zero on entry and reset to zero by
       the last): partials go to m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back
       from L2 (.cg). No combine kernel, so no second launch on attention's latency path.
-    - First, when PF_CHUNK > 0, the first PF_BYTES of pf_ptr (the o_proj weight) are prefetched into L2, each
-      program its PF_PER_PROGRAM chunks of PF_CHUNK bytes (ATTN_PREFETCH_BYTES says why).
     Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
     REP: tl.constexpr = H // H_KV
     HALF: tl.constexpr = D // 2
     j = tl.program_id(0)
     s = tl.program_id(1)
-    if PF_CHUNK > 0:
-        c = (j * SPLITS + s) * PF_PER_PROGRAM + tl.arange(0, PF_PER_PROGRAM)
-        # chunks past the end prefetch the last one again: every size is PF_CHUNK, every address 16-byte aligned
-        at = tl.minimum(c.to(tl.int64) * PF_CHUNK, PF_BYTES - PF_CHUNK)
-        addr = (pf_ptr.to(tl.pointer_type(tl.int8)) + at).to(tl.int64)
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [addr, tl.full([PF_PER_PROGRAM], PF_CHUNK, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
     pos = tl.load(pos_ptr).to(tl.int32)
     h = tl.arange(0, BLOCK_H)
     h_ok = h < REP
@@ -312,50 +285,10 @@ def _attention_kernel(
             tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
 
 
-def prefetch_chunk(nbytes: int, programs: int) -> int:
-    """Bytes per bulk prefetch (a multiple of 16, the instruction's unit) so that `programs` programs of
-    PREFETCH_PER_PROGRAM chunks cover nbytes; 0 below 16 bytes. The kernel clamps chunk c to start at
-    min(c * chunk, nbytes - chunk): inside the range, aligned whenever nbytes is a multiple of 16."""
-    if nbytes < 16:
-        return 0
-    return -(-nbytes // (programs * PREFETCH_PER_PROGRAM * 16)) * 16
-
-
-def _prefetch_plan(w: torch.Tensor | None, programs: int, nbytes: int | None) -> tuple[int, int]:
-    """(bytes, chunk) of w to prefetch into L2 from `programs` programs; (0, 0) for none: no weight, nothing asked,
-    not a CUDA device of sm_90 or later (the bulk prefetch is Hopper's), or Triton's interpreter."""
-    if w is None or not w.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or w.data_ptr() % 16:
-        return 0, 0
-    if torch.cuda.get_device_capability(w.device) < (9, 0):
-        return 0, 0
-    total = w.numel() * w.element_size()
-    nbytes = total if nbytes is None else min(nbytes, total)
-    nbytes -= nbytes % 16
-    chunk = prefetch_chunk(nbytes, programs)
-    return (nbytes, chunk) if chunk else (0, 0)
-
-
-def _launch_attention(
-    qkv,
-    cos,
-    sin,
-    k_cache,
-    v_cache,
-    pos,
-    counters,
-    counter_offset,
-    splits=None,
-    block_t=None,
-    prefetch=None,
-    prefetch_bytes=-1,
-):
-    """`prefetch`: the weight read next (o_proj's), its first `prefetch_bytes` (-1: ATTN_PREFETCH_BYTES) into L2."""
+def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_heads = qkv.shape[0] // d - 2 * n_kv
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
-    pf_bytes, pf_chunk = _prefetch_plan(
-        prefetch, n_kv * splits, ATTN_PREFETCH_BYTES if prefetch_bytes == -1 else prefetch_bytes
-    )
     rep_p2 = triton.next_power_of_2(n_heads // n_kv)
     block_h = max(16, rep_p2)
     out = torch.empty(n_heads * d, dtype=qkv.dtype, device=qkv.device)
@@ -384,10 +317,6 @@ def _launch_attention(
         REP_P2=rep_p2,
         BLOCK_T=block_t,
         SPLITS=splits,
-        pf_ptr=prefetch if pf_chunk else qkv,  # unused without a chunk: any tensor
-        PF_BYTES=pf_bytes,
-        PF_CHUNK=pf_chunk,
-        PF_PER_PROGRAM=PREFETCH_PER_PROGRAM,
         num_warps=4,
     )
     return out
@@ -403,10 +332,9 @@ def decode_attention(
     pos: torch.Tensor,
     counters: torch.Tensor,
     counter_offset: int,
-    prefetch: torch.Tensor,
 ) -> torch.Tensor:
     """One decode step's attention: qkv [(H + 2 H_kv) * D] as the qkv GEMV wrote it (no RoPE yet), cos/sin [D] of
     this position, caches [1, H_kv, max_seq, D] (this position's key and value are written here), pos [1],
     counters int32, zero in the H_KV slots from counter_offset (a multiple of 16: every layer specialises alike)
-    and left zero, prefetch: the weight read next (o_proj's; only read, into L2) -> [H * D]."""
-    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, prefetch=prefetch)
+    and left zero -> [H * D]."""
+    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset)

@@ -186,6 +186,18 @@ def main() -> int:
     end.record()
     torch.cuda.synchronize()
     print(f"## decode step: graph replays back to back: {start.elapsed_time(end) / 100:.3f} ms/step\n")
+    if engine.chain is not None:  # greedy: GREEDY_CHAIN steps per replay, each argmax feeding the next step
+        n = engine.chain.steps
+        replays = 96 // n  # positions 385..481: the bench's range
+        engine.chain.run(tok, pos)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(replays):
+            engine.chain.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / (replays * n)
+        print(f"## greedy chain of {n} steps: replays back to back: {ms:.3f} ms/token\n")
     with profile(activities=acts) as prof:
         for _ in range(args.steps):
             engine.graph.graph.replay()

@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from runner import pdl
 from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio, num_chunks, pad_to_chunks
 from runner.errors import AudioError, DelegateError, GenerationError
 from runner.program import Program
@@ -163,11 +164,11 @@ class DecodeGraph:
     replays see every earlier step. The delegate's validated metadata cache sees the same static tensors on
     every call: this is the hot loop it exists for."""
 
-    def __init__(self, engine: ProgramEngine):
+    def __init__(self, engine: ProgramEngine, overlap: bool = True):
         self.engine = engine
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
-        self.graph, self.logits = _capture(engine, lambda: engine.graph_step(self.token, self.pos))
+        self.graph, self.logits = _capture(engine, lambda: engine.graph_step(self.token, self.pos), overlap)
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.token.copy_(token.view(1, 1))
@@ -176,13 +177,28 @@ class DecodeGraph:
         return self.logits  # static: read it before the next step
 
 
-def _capture(engine: ProgramEngine, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured."""
+def _capture(
+    engine: ProgramEngine, run: Callable[[], torch.Tensor], overlap: bool = False
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured. With
+    `overlap`, the decode kernels' edges are made programmatic before the graph is instantiated (runner/pdl.py:
+    each starts while the kernel before it finishes); where that fails, the graph is captured plainly."""
     side = torch.cuda.Stream(device=engine.device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
+    if overlap and pdl.enabled():
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph):
+                out = run()
+            n = pdl.programmatic_edges(graph.raw_cuda_graph())
+            graph.instantiate()
+            log.info("decode graph: %d kernel launches overlap the kernel before them (PDL)", n)
+            return graph, out
+        except (TypeError, AttributeError, OSError, RuntimeError) as e:  # old torch or driver: no PDL
+            log.warning("decode graph captured without programmatic dependent launch: %s", e)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
@@ -202,7 +218,7 @@ class GreedyChainGraph:
     position, both advanced on the device. The last token and the position after it stay in the graph's inputs,
     so a chain that continues the previous one needs nothing written before its replay."""
 
-    def __init__(self, engine: ProgramEngine, steps: int):
+    def __init__(self, engine: ProgramEngine, steps: int, overlap: bool = True):
         dev, i64 = engine.device, torch.int64
         self.steps = steps
         self.token = torch.zeros(1, 1, dtype=i64, device=dev)  # the input token, then the last one chosen
@@ -221,7 +237,7 @@ class GreedyChainGraph:
             self.token.copy_(chosen[-1])
             return self.out
 
-        self.graph, _ = _capture(engine, run)
+        self.graph, _ = _capture(engine, run, overlap)
 
     def run(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """The next `steps` greedy tokens after token [1, 1] at pos -> [1, steps], valid until the next run."""

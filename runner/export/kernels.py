@@ -143,8 +143,11 @@ def _gemv_kernel(
 
 def pdl_supported(t: torch.Tensor) -> bool:
     """Whether kernels launched on t's device may carry the grid-dependency instructions: sm_90 or later, and
-    compiled (Triton's interpreter has no griddepcontrol)."""
+    compiled (Triton's interpreter has no griddepcontrol). VOXTRAL_RUNNER_PDL=0 leaves them out, as it leaves the
+    runtime's graph edges plain (runner/pdl.py)."""
     if gdc_wait is None or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("VOXTRAL_RUNNER_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(t.device) >= (9, 0)
 

@@ -93,8 +93,9 @@ class ProgramEngine:
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
             self.graph = DecodeGraph(self)
-            if GREEDY_CHAIN <= self.max_seq_len:
-                self.chain = GreedyChainGraph(self, GREEDY_CHAIN)
+            steps = greedy_chain_steps()
+            if 1 < steps <= self.max_seq_len:
+                self.chain = GreedyChainGraph(self, steps)
         if self.chain is not None:
             self.chain.next_pos = -1  # a new input: its first chain starts from the token it is given
         self.program.reset_state()
@@ -211,6 +212,14 @@ def _capture(
 # beyond the replay on the H200 at 3B, benchmarks/NOTES.md). Up to 2 * GREEDY_CHAIN - 1 steps may run past an
 # EOS (two chains are kept queued); they only write cache positions the next reset() wipes.
 GREEDY_CHAIN = 8
+
+
+def greedy_chain_steps() -> int:
+    """GREEDY_CHAIN, or VOXTRAL_RUNNER_GREEDY_CHAIN (1: one step per replay, as before chains)."""
+    value = os.environ.get("VOXTRAL_RUNNER_GREEDY_CHAIN", str(GREEDY_CHAIN))
+    if not value.isdigit() or int(value) < 1:
+        raise GenerationError(f"VOXTRAL_RUNNER_GREEDY_CHAIN={value!r}: a whole number of steps, at least 1")
+    return int(value)
 
 
 class GreedyChainGraph:

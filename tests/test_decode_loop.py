@@ -198,3 +198,14 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_
         assert pos == len(ids)
         torch.testing.assert_close(whole, piecewise, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(whole_next, engine.decode_token(torch.tensor([[5]]), pos), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "eight", ""])
+def test_a_bad_greedy_chain_setting_is_a_clear_error(monkeypatch, value):
+    from runner.multimodal import greedy_chain_steps
+
+    monkeypatch.setenv("VOXTRAL_RUNNER_GREEDY_CHAIN", value)
+    with pytest.raises(GenerationError, match="VOXTRAL_RUNNER_GREEDY_CHAIN"):
+        greedy_chain_steps()
+    monkeypatch.setenv("VOXTRAL_RUNNER_GREEDY_CHAIN", "4")
+    assert greedy_chain_steps() == 4

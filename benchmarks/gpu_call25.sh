@@ -8,6 +8,7 @@
 set -uo pipefail
 R=$OUT; L=/tmp/logs; mkdir -p $L
 . benchmarks/gpu_setup.sh > $L/env.txt 2>&1
+export VOXTRAL_RUNNER_PDL=1 VOXTRAL_RUNNER_GREEDY_CHAIN=8  # both off by default until this run has checked them
 timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py > $R/kernel_tests_s14.log 2>&1 || {
   tail -30 $R/kernel_tests_s14.log; export VOXTRAL_RUNNER_PDL=0; echo "PDL off for the rest"
   timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py > $R/kernel_tests_s14_nopdl.log 2>&1 \

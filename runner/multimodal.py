@@ -64,6 +64,9 @@ class ProgramEngine:
         self.use_cuda_graph = cuda_graph and self.device == "cuda"
         self.graph: DecodeGraph | None = None
         self.chain: GreedyChainGraph | None = None
+        # the bundle's decode kernels wait before reading (exported with VOXTRAL_RUNNER_PDL=1): their graph edges
+        # may be made programmatic (runner/pdl.py); VOXTRAL_RUNNER_PDL=0 here keeps them plain anyway
+        self.pdl = bool(model.get("pdl")) and self.use_cuda_graph and pdl.enabled()
         self.prefill_graphs = PrefillGraphs(self) if self.use_cuda_graph else None
         self.graph_safe = False  # True while a prefill is warmed up or captured: methods run capturably
 
@@ -92,10 +95,10 @@ class ProgramEngine:
     def reset(self):
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
-            self.graph = DecodeGraph(self)
+            self.graph = DecodeGraph(self, overlap=self.pdl)
             steps = greedy_chain_steps()
             if 1 < steps <= self.max_seq_len:
-                self.chain = GreedyChainGraph(self, steps)
+                self.chain = GreedyChainGraph(self, steps, overlap=self.pdl)
         if self.chain is not None:
             self.chain.next_pos = -1  # a new input: its first chain starts from the token it is given
         self.program.reset_state()
@@ -165,7 +168,7 @@ class DecodeGraph:
     replays see every earlier step. The delegate's validated metadata cache sees the same static tensors on
     every call: this is the hot loop it exists for."""
 
-    def __init__(self, engine: ProgramEngine, overlap: bool = True):
+    def __init__(self, engine: ProgramEngine, overlap: bool = False):
         self.engine = engine
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
@@ -227,7 +230,7 @@ class GreedyChainGraph:
     position, both advanced on the device. The last token and the position after it stay in the graph's inputs,
     so a chain that continues the previous one needs nothing written before its replay."""
 
-    def __init__(self, engine: ProgramEngine, steps: int, overlap: bool = True):
+    def __init__(self, engine: ProgramEngine, steps: int, overlap: bool = False):
         dev, i64 = engine.device, torch.int64
         self.steps = steps
         self.token = torch.zeros(1, 1, dtype=i64, device=dev)  # the input token, then the last one chosen

@@ -50,7 +50,8 @@ class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
 
 
 def enabled() -> bool:
-    """VOXTRAL_RUNNER_PDL=0 captures plain graphs (an A/B, or a driver that misbehaves)."""
+    """VOXTRAL_RUNNER_PDL=0 captures plain graphs even for a bundle whose kernels wait (an A/B, or a driver that
+    misbehaves). A bundle exported without VOXTRAL_RUNNER_PDL=1 never gets programmatic edges (manifest `pdl`)."""
     return os.environ.get("VOXTRAL_RUNNER_PDL", "1") != "0"
 
 

@@ -141,13 +141,17 @@ def _gemv_kernel(
         tl.store(out_ptr + rows, y.to(tl.bfloat16), mask=row_ok)
 
 
+def pdl_export_enabled() -> bool:
+    """VOXTRAL_RUNNER_PDL=1 at export compiles the decode kernels with griddepcontrol (and the bundle says so:
+    the runtime makes their graph edges programmatic only then). Off by default until a GPU run has checked the
+    programmatic graphs (benchmarks/NOTES.md, item 26)."""
+    return gdc_wait is not None and os.environ.get("VOXTRAL_RUNNER_PDL", "0") == "1"
+
+
 def pdl_supported(t: torch.Tensor) -> bool:
-    """Whether kernels launched on t's device may carry the grid-dependency instructions: sm_90 or later, and
-    compiled (Triton's interpreter has no griddepcontrol). VOXTRAL_RUNNER_PDL=0 leaves them out, as it leaves the
-    runtime's graph edges plain (runner/pdl.py)."""
-    if gdc_wait is None or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if os.environ.get("VOXTRAL_RUNNER_PDL", "1") == "0":
+    """Whether kernels launched on t's device carry the grid-dependency instructions: asked for at export, sm_90
+    or later, and compiled (Triton's interpreter has no griddepcontrol)."""
+    if not pdl_export_enabled() or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(t.device) >= (9, 0)
 

@@ -213,8 +213,9 @@ def _capture(
 # tokens the stream carries one replay, one copy to the host and one event, where the one-step graph needs,
 # around every replay, the token's copy in, the position, the argmax, the copy out and an event (≈ 30 us per token
 # beyond the replay on the H200 at 3B, benchmarks/NOTES.md). Up to 2 * GREEDY_CHAIN - 1 steps may run past an
-# EOS (two chains are kept queued); they only write cache positions the next reset() wipes.
-GREEDY_CHAIN = 8
+# EOS (two chains are kept queued); they only write cache positions the next reset() wipes. 1 (one step per
+# replay, as before) until a GPU run has checked chains against it (NOTES item 25); VOXTRAL_RUNNER_GREEDY_CHAIN=8.
+GREEDY_CHAIN = 1
 
 
 def greedy_chain_steps() -> int:

@@ -93,11 +93,10 @@ def test_decode_steps_run_the_kernels_and_match_text_decoder(cuda_bundle):
 
 
 def test_greedy_chains_give_the_step_by_step_tokens(runner, cuda_bundle, monkeypatch):
-    """Greedy decoding through the CUDA graph of GREEDY_CHAIN steps (each argmax feeding the next step in the
+    """Greedy decoding through the CUDA graph of 8 steps (each argmax feeding the next step in the
     graph) against the one-step graph (record_logits takes that path) and against no graph at all: the same
     kernels, so the same tokens. 1 + 3 chains + 4 single steps; a second run starts its first chain afresh."""
-    from runner.multimodal import GREEDY_CHAIN
-
+    GREEDY_CHAIN = 8
     monkeypatch.setenv("VOXTRAL_RUNNER_GREEDY_CHAIN", str(GREEDY_CHAIN))
     n = 1 + 3 * GREEDY_CHAIN + GREEDY_CHAIN // 2
     prompt = _prompt(runner, "What is said?")

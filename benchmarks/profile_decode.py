@@ -26,7 +26,6 @@ from torch.profiler import ProfilerActivity, profile
 from runner.audio import N_SAMPLES, load_audio
 from runner.multimodal import (
     GenerationOptions,
-    GreedyChainGraph,
     MultimodalRunner,
     ProgramEngine,
     to_encoder_dtype,
@@ -196,17 +195,15 @@ def main() -> int:
     if engine.chain is not None:  # greedy: GREEDY_CHAIN steps per replay, each argmax feeding the next step
         n = engine.chain.steps
         replays = 96 // n  # positions 385..481: the bench's range
-        # the same chain with plain edges (no programmatic dependent launch, runner/pdl.py), in the same process
-        for label, chain in (("PDL", engine.chain), ("plain edges", GreedyChainGraph(engine, n, overlap=False))):
-            chain.run(tok, pos)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(replays):
-                chain.graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / (replays * n)
-            print(f"## greedy chain of {n} steps, {label}: replays back to back: {ms:.3f} ms/token\n")
+        engine.chain.run(tok, pos)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(replays):
+            engine.chain.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / (replays * n)
+        print(f"## greedy chain of {n} steps: replays back to back: {ms:.3f} ms/token\n")
     with profile(activities=acts) as prof:
         for _ in range(args.steps):
             engine.graph.graph.replay()

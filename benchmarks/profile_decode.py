@@ -28,6 +28,7 @@ from runner.multimodal import (
     GenerationOptions,
     MultimodalRunner,
     ProgramEngine,
+    capture_graph,
     to_encoder_dtype,
     transcription_prompt,
 )
@@ -40,14 +41,7 @@ AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio" / "speech.wav
 
 def graph_ms(fn, replays: int = 50) -> float:
     """GPU time per call of `fn` captured as one CUDA graph, replayed back to back."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture_graph(fn, "cuda")
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -168,7 +168,7 @@ class DecodeGraph:
         self.engine = engine
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
-        self.graph, self.logits = _capture(engine, lambda: engine.graph_step(self.token, self.pos))
+        self.graph, self.logits = capture_graph(lambda: engine.graph_step(self.token, self.pos), engine.device)
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.token.copy_(token.view(1, 1))
@@ -177,9 +177,9 @@ class DecodeGraph:
         return self.logits  # static: read it before the next step
 
 
-def _capture(engine: ProgramEngine, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture_graph(run: Callable[[], torch.Tensor], device: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured."""
-    side = torch.cuda.Stream(device=engine.device)
+    side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
@@ -231,7 +231,7 @@ class GreedyChainGraph:
             self.token.copy_(chosen[-1])
             return self.out
 
-        self.graph, _ = _capture(engine, run)
+        self.graph, _ = capture_graph(run, engine.device)
 
     def run(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """The next `steps` greedy tokens after token [1, 1] at pos -> [1, steps], valid until the next run."""

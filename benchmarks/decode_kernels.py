@@ -263,7 +263,15 @@ def tune_in_step(lm, c, results, fill: int) -> None:
         "lm_head": ("rms_f32", c.vocab_size, c.dim),
     }
     out = results["in_step_tuning"] = {}
+    pdl = K.pdl_supported(emb)  # the kernels wait (VOXTRAL_RUNNER_PDL=1): tune with programmatic edges
     with torch.no_grad():
+        if pdl:  # the step with plain and with programmatic edges, alternating
+            ab = {"plain": [], "pdl": []}
+            for _ in range(3):
+                for kind in ab:
+                    ab[kind].append(graph_ms(lambda: step(emb, pos), 30, overlap=kind == "pdl"))
+            out["pdl_ab"] = ab
+            print(f"in-step PDL: plain {min(ab['plain']):.4f} ms/step, programmatic {min(ab['pdl']):.4f}", flush=True)
         for name, key in keys.items():
             held = K.GEMV_CONFIGS.get(key, K.DEFAULT_GEMV)
             k_max = triton.next_power_of_2(key[2])
@@ -273,7 +281,7 @@ def tune_in_step(lm, c, results, fill: int) -> None:
             rows = []
             for cfg in sorted(grid):
                 K.GEMV_CONFIGS[key] = cfg
-                rows.append((graph_ms(lambda: step(emb, pos), 30), cfg))
+                rows.append((graph_ms(lambda: step(emb, pos), 30, pdl), cfg))
             rows.sort()
             K.GEMV_CONFIGS[key] = held  # the table stays as exported; the JSON says what won
             held_ms = next(ms for ms, cfg in rows if cfg == held)
@@ -286,7 +294,7 @@ def tune_in_step(lm, c, results, fill: int) -> None:
         rows = []
         for cfg in sorted({held, (1, 128), (2, 64), (2, 128), (4, 64), (4, 128), (8, 32), (8, 64)}):
             K.ATTN_SPLITS, K.ATTN_BLOCK_T = cfg
-            rows.append((graph_ms(lambda: step(emb, pos), 30), cfg))
+            rows.append((graph_ms(lambda: step(emb, pos), 30, pdl), cfg))
         K.ATTN_SPLITS, K.ATTN_BLOCK_T = held
         rows.sort()
         held_ms = next(ms for ms, cfg in rows if cfg == held)

@@ -39,9 +39,10 @@ from runner.tokenizer import Tekken
 AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio" / "speech.wav"
 
 
-def graph_ms(fn, replays: int = 50) -> float:
-    """GPU time per call of `fn` captured as one CUDA graph, replayed back to back."""
-    g, _ = capture_graph(fn, "cuda")
+def graph_ms(fn, replays: int = 50, overlap: bool = False) -> float:
+    """GPU time per call of `fn` captured as one CUDA graph, replayed back to back (with `overlap`, the decode
+    kernels' edges programmatic: runner/pdl.py)."""
+    g, _ = capture_graph(fn, "cuda", overlap)
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from runner import pdl
 from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio, num_chunks, pad_to_chunks
 from runner.errors import AudioError, DelegateError, GenerationError
 from runner.program import Program
@@ -63,6 +64,9 @@ class ProgramEngine:
         self.use_cuda_graph = cuda_graph and self.device == "cuda"
         self.graph: DecodeGraph | None = None
         self.chain: GreedyChainGraph | None = None
+        # the bundle's decode kernels wait before reading (exported with VOXTRAL_RUNNER_PDL=1): their graph edges
+        # may be made programmatic (runner/pdl.py); VOXTRAL_RUNNER_PDL=0 here keeps them plain anyway
+        self.pdl = bool(model.get("pdl")) and self.use_cuda_graph and pdl.enabled()
         self.prefill_graphs = PrefillGraphs(self) if self.use_cuda_graph else None
         self.graph_safe = False  # True while a prefill is warmed up or captured: methods run capturably
 
@@ -91,10 +95,10 @@ class ProgramEngine:
     def reset(self):
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
-            self.graph = DecodeGraph(self)
+            self.graph = DecodeGraph(self, overlap=self.pdl)
             steps = greedy_chain_steps()
             if 1 < steps <= self.max_seq_len:
-                self.chain = GreedyChainGraph(self, steps)
+                self.chain = GreedyChainGraph(self, steps, overlap=self.pdl)
         if self.chain is not None:
             self.chain.next_pos = -1  # a new input: its first chain starts from the token it is given
         self.program.reset_state()
@@ -164,11 +168,11 @@ class DecodeGraph:
     replays see every earlier step. The delegate's validated metadata cache sees the same static tensors on
     every call: this is the hot loop it exists for."""
 
-    def __init__(self, engine: ProgramEngine):
+    def __init__(self, engine: ProgramEngine, overlap: bool = False):
         self.engine = engine
         self.token = torch.zeros(1, 1, dtype=torch.int64, device=engine.device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=engine.device)
-        self.graph, self.logits = capture_graph(lambda: engine.graph_step(self.token, self.pos), engine.device)
+        self.graph, self.logits = capture_graph(lambda: engine.graph_step(self.token, self.pos), engine.device, overlap)
 
     def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.token.copy_(token.view(1, 1))
@@ -177,13 +181,28 @@ class DecodeGraph:
         return self.logits  # static: read it before the next step
 
 
-def capture_graph(run: Callable[[], torch.Tensor], device: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured."""
+def capture_graph(
+    run: Callable[[], torch.Tensor], device: str, overlap: bool = False
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured. With
+    `overlap`, the decode kernels' edges are made programmatic before the graph is instantiated (runner/pdl.py:
+    each starts while the kernel before it finishes); where that fails, the graph is captured plainly."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
     torch.cuda.current_stream().wait_stream(side)
+    if overlap:
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph):
+                out = run()
+            n = pdl.programmatic_edges(graph.raw_cuda_graph())
+            graph.instantiate()
+            log.info("decode graph: %d kernel launches overlap the kernel before them (PDL)", n)
+            return graph, out
+        except (TypeError, AttributeError, OSError, RuntimeError) as e:  # old torch or driver: no PDL
+            log.warning("decode graph captured without programmatic dependent launch: %s", e)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
@@ -212,7 +231,7 @@ class GreedyChainGraph:
     position, both advanced on the device. The last token and the position after it stay in the graph's inputs,
     so a chain that continues the previous one needs nothing written before its replay."""
 
-    def __init__(self, engine: ProgramEngine, steps: int):
+    def __init__(self, engine: ProgramEngine, steps: int, overlap: bool = False):
         dev, i64 = engine.device, torch.int64
         self.steps = steps
         self.token = torch.zeros(1, 1, dtype=i64, device=dev)  # the input token, then the last one chosen
@@ -231,7 +250,7 @@ class GreedyChainGraph:
             self.token.copy_(chosen[-1])
             return self.out
 
-        self.graph, _ = capture_graph(run, engine.device)
+        self.graph, _ = capture_graph(run, engine.device, overlap)
 
     def run(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         """The next `steps` greedy tokens after token [1, 1] at pos -> [1, steps], valid until the next run."""

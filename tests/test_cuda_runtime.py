@@ -116,3 +116,38 @@ def test_greedy_chains_give_the_step_by_step_tokens(runner, cuda_bundle, monkeyp
     with Program.load(cuda_bundle) as program:
         plain = MultimodalRunner(ProgramEngine(program, cuda_graph=False), runner.tok)
         assert plain.generate(prompt, greedy).tokens == stepwise.tokens
+
+
+def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
+    """PDL (runner/pdl.py) on the greedy chain: every GEMV and attention launch of every step gets a programmatic
+    edge (AOTInductor's kernel names are found in the graph), and a chain replayed with those edges gives the
+    tokens of one captured with plain edges, from the same prompt and cache."""
+    from runner import pdl
+    from runner.multimodal import GreedyChainGraph
+
+    engine = runner.engine
+    if not engine.pdl:
+        pytest.skip("the bundle's kernels do not wait: exported without VOXTRAL_RUNNER_PDL=1 (or VOXTRAL_RUNNER_PDL=0)")
+    layers = engine.program.manifest.model["config"]["text"]["n_layers"]
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    token, pos = torch.zeros(1, 1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
+    engine.reset()
+    engine.graph_step(token, pos)  # warm-up, outside the capture
+    with torch.cuda.graph(graph):
+        engine.graph_step(token, pos)
+    assert pdl.programmatic_edges(graph.raw_cuda_graph()) == 5 * layers + 1  # qkv, attention, o, gate_up, down; lm_head
+    graph.instantiate()
+    graph.replay()
+
+    prompt = _prompt(runner, "What is said?")
+    chains = {}
+    for overlap in (True, False):
+        engine.reset()
+        chain = GreedyChainGraph(engine, 4, overlap=overlap)
+        engine.reset()
+        logits, ids = runner.prefill(prompt)
+        first = logits.argmax(dim=-1, keepdim=True)
+        out = [chain.run(first, len(ids)).clone()]
+        out.append(chain.run(out[-1][:, -1:], len(ids) + 4).clone())
+        chains[overlap] = torch.cat(out, dim=1).tolist()
+    assert chains[True] == chains[False]

@@ -247,6 +247,16 @@ def decode_step_module(model: Voxtral, device: str) -> nn.Module:
     return model.decoder()
 
 
+def _decode_kernels_wait(device: str) -> bool:
+    """Whether text_decoder_step's kernels are compiled with griddepcontrol.wait (VOXTRAL_RUNNER_PDL=1 on an
+    sm_90+ GPU): the manifest's `pdl`, without which the runtime keeps every graph edge plain (runner/pdl.py)."""
+    if torch.device(device).type != "cuda" or os.environ.get("VOXTRAL_RUNNER_PDL", "0") != "1":
+        return False
+    from runner.export import kernels  # imports Triton
+
+    return kernels.pdl_supported(torch.empty(0, device=device))
+
+
 # ---------------------------------------------------------------- compile, with a cache
 
 
@@ -275,6 +285,7 @@ def cache_key(model: nn.Module, source: ModelSource, opts: ExportOptions, method
             "method": method,
             "debug": opts.debug,
             "format": FORMAT_VERSION,
+            "pdl": _decode_kernels_wait(opts.device),
         },
         sort_keys=True,
     )
@@ -390,6 +401,7 @@ def export_bundle(
         "tokens_per_chunk": TOKENS_PER_CHUNK,
         "tokenizer": "tekken.json",
         "special_tokens": special,
+        "pdl": _decode_kernels_wait(opts.device),
     }
     return build_bundle(model, plan_methods(model, opts), source, tekken_path, meta, out, opts, progress)
 

@@ -18,6 +18,8 @@ compiles the Triton kernel into the `.so`. Triton is imported only here: CPU exp
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,52 @@ def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _after_predecessor(anchor):
+    """griddepcontrol.wait (the kernel before this one has finished and its writes are visible), then
+    griddepcontrol.launch_dependents (the kernel after may start); returns 0, to be added to the pointers read
+    afterwards. Both are no-ops in a kernel launched without programmatic dependent launch (runner/pdl.py).
+
+    Inline asm marked pure, not Triton's gdc_wait: AOTInductor's mutation analysis (torch 2.11) cannot analyse
+    the impure op, assumes every input mutated and gives the exported method an output per input (NOTES item 26);
+    it skips pure asm. Pure asm may move, so the reads that must follow the wait take their address from its
+    result: a data dependence no compiler pass can reorder."""
+    return tl.inline_asm_elementwise(
+        "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;",
+        "=r,r",
+        [anchor],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _gemv_weights(w_ptr, rows, kk, N, K: tl.constexpr, row_ok, GLU: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns kk (and the up half's with GLU; else the same tile again)."""
+    ok = row_ok[:, None] & (kk < K)[None, :]
+    w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=ok, other=0.0)
+    wu = w
+    if GLU:
+        wu = tl.load(w_ptr + (rows[:, None] + N) * K + kk[None, :], mask=ok, other=0.0)
+    return w, wu
+
+
+@triton.jit
+def _gemv_accumulate(
+    x_ptr, g_ptr, kk, K: tl.constexpr, w, wu, acc, acc_up, sumsq, NORM: tl.constexpr, GLU: tl.constexpr
+):
+    k_ok = kk < K
+    x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        sumsq += x * x
+        x = x * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * x[None, :]
+    if GLU:
+        acc_up += wu.to(tl.float32) * x[None, :]
+    return acc, acc_up, sumsq
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     g_ptr,
@@ -65,29 +113,31 @@ def _gemv_kernel(
     OUT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[n] = sum_k W[n, k] * x'[k] (+ r[n]) for BLOCK_N rows, with x' = RMSNorm(x) * g when NORM. With GLU, W
     holds 2N rows (gate, then up) and out[n] = silu(gate[n]) * up[n]. Roundings follow the eager bf16 model
-    (each linear's output is bf16 before the next elementwise op); the sum is float32."""
+    (each linear's output is bf16 before the next elementwise op); the sum is float32.
+
+    The first weight tile is loaded before anything the kernel before this one wrote: with PDL (programmatic
+    dependent launch, `runner/pdl.py`) this kernel starts while that one finishes, its weights already on the
+    way, and waits (griddepcontrol.wait) only before reading x and r. Launched plainly the wait is a no-op."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
+    w, wu = _gemv_weights(w_ptr, rows, cols, N, K, row_ok, GLU)
+    if PDL:
+        ready = tl.multiple_of(_after_predecessor(tl.program_id(0)), 16)
+        x_ptr += ready
+        r_ptr += ready
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc, acc_up, sumsq = _gemv_accumulate(x_ptr, g_ptr, cols, K, w, wu, acc, acc_up, sumsq, NORM, GLU)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
-        k_ok = kk < K
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM:
-            sumsq += x * x
-            x = x * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        ok = row_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=ok, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-        if GLU:
-            wu = tl.load(w_ptr + (rows[:, None] + N) * K + kk[None, :], mask=ok, other=0.0)
-            acc_up += wu.to(tl.float32) * x[None, :]
+        w, wu = _gemv_weights(w_ptr, rows, kk, N, K, row_ok, GLU)
+        acc, acc_up, sumsq = _gemv_accumulate(x_ptr, g_ptr, kk, K, w, wu, acc, acc_up, sumsq, NORM, GLU)
     y = tl.sum(acc, axis=1)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / K + EPS)
@@ -105,6 +155,21 @@ def _gemv_kernel(
         tl.store(out_ptr + rows, y, mask=row_ok)
     else:
         tl.store(out_ptr + rows, y.to(tl.bfloat16), mask=row_ok)
+
+
+def pdl_export_enabled() -> bool:
+    """VOXTRAL_RUNNER_PDL=1 at export compiles the decode kernels with griddepcontrol (and the bundle says so:
+    the runtime makes their graph edges programmatic only then). Off by default until a GPU run has checked the
+    programmatic graphs (benchmarks/NOTES.md, item 26)."""
+    return os.environ.get("VOXTRAL_RUNNER_PDL", "0") == "1"
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Whether kernels launched on t's device carry the grid-dependency instructions: asked for at export, sm_90
+    or later, and compiled (Triton's interpreter has no griddepcontrol)."""
+    if not pdl_export_enabled() or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
 def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=False, config=None):
@@ -129,6 +194,7 @@ def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=Fal
         OUT_F32=out_f32,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=pdl_supported(x),
         num_warps=warps,
         num_stages=stages,
     )
@@ -201,6 +267,7 @@ def _attention_kernel(
     REP_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (kv head j, split s) of one decode step: RoPE on the REP query heads of KV head j and on its new
     key (read raw from the qkv GEMV's output), then attention over positions [0, pos], the s-th of SPLITS slices.
@@ -210,6 +277,7 @@ def _attention_kernel(
     - The splits are merged by whichever finishes last (a per-head counter, zero on entry and reset to zero by
       the last): partials go to m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back
       from L2 (.cg). No combine kernel, so no second launch on attention's latency path.
+    - With PDL it waits for the qkv GEMV only before reading qkv (see `_gemv_kernel`)
     Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
     REP: tl.constexpr = H // H_KV
     HALF: tl.constexpr = D // 2
@@ -221,6 +289,8 @@ def _attention_kernel(
     d = tl.arange(0, D)
     cos = tl.load(cos_ptr + d).to(tl.float32)
     sin = tl.load(sin_ptr + d).to(tl.float32)
+    if PDL:  # qkv is the kernel before's output; pos, cos/sin and the counters were written before that one ran
+        qkv_ptr += tl.multiple_of(_after_predecessor(j), 16)
     q = _rope_rows(qkv_ptr, j * REP + tl.minimum(h, REP - 1), d, cos, sin, HALF)  # padding rows repeat row REP-1
     one = tl.arange(0, 1)
     k_new = _rope_rows(qkv_ptr, H + j + one, d, cos, sin, HALF)  # [1, D]
@@ -317,6 +387,7 @@ def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_of
         REP_P2=rep_p2,
         BLOCK_T=block_t,
         SPLITS=splits,
+        PDL=pdl_supported(qkv),
         num_warps=4,
     )
     return out

@@ -1,0 +1,100 @@
+"""Which edges of a captured decode graph become programmatic (runner/pdl.py): only full edges from a kernel to a
+kernel that waits (griddepcontrol.wait) before reading its predecessor's output. The rewrite itself runs on the
+GPU: tests/test_cuda_runtime.py checks the decode kernels' edges are found and the tokens do not change."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.pdl import WAITING_KERNELS, pick_edges
+
+NAMES = {
+    1: "triton_poi_fused_embedding_0",  # Inductor's: does not wait
+    2: "_rope_table_kernel",
+    3: "_gemv_kernel",
+    4: "_attention_kernel_3",  # a call site's suffix
+    5: "_gemv_kernel",
+    6: None,  # a memset node
+    7: "_gemv_kernel_1",
+    8: "void at::native::reduce_kernel<...>",  # argmax
+}
+
+
+def test_only_full_edges_from_a_kernel_into_a_waiting_kernel():
+    edges = [
+        (1, 2, 0, 0),  # into a kernel that does not wait: stays
+        (2, 3, 0, 0),  # picked
+        (3, 4, 0, 0),  # picked: attention waits for the qkv GEMV
+        (4, 5, 0, 0),  # picked
+        (6, 7, 0, 0),  # from a memset: not a kernel, stays
+        (5, 6, 0, 0),  # into the memset: stays
+        (7, 8, 0, 0),  # into argmax: stays
+        (3, 5, 1, 1),  # already programmatic: left as it is
+    ]
+    assert pick_edges(edges, NAMES.get, WAITING_KERNELS) == [1, 2, 3]
+
+
+def test_nothing_to_pick_in_a_graph_of_other_kernels():
+    edges = [(1, 2, 0, 0), (2, 8, 0, 0)]
+    assert pick_edges(edges, NAMES.get, WAITING_KERNELS) == []
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in a fresh interpreter: the kernels must be JIT functions (tests/test_kernels.py makes them interpreted on a
+# CPU machine), and without a GPU Triton needs a stand-in driver that names the H200's target.
+ANALYSE = r"""
+import json, torch, triton
+import torch._higher_order_ops.triton_kernel_wrap as tkw
+from runner.export import kernels as K
+
+if not torch.cuda.is_available():
+    from triton.backends.compiler import GPUTarget
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(Hopper())
+
+def written(kernel, kwargs):
+    if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
+        return sorted(d.name for d in tkw.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes)
+    return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))  # torch 2.11, the H200's
+
+bf16, f32 = torch.bfloat16, torch.float32
+z = lambda n, dt=bf16: torch.zeros(n, dtype=dt)
+out = {}
+for pdl in (False, True):
+    gemv = dict(x_ptr=z(256), g_ptr=z(256), w_ptr=z(64 * 256), r_ptr=z(64), out_ptr=z(64), N=64, K=256, EPS=1e-5,
+                NORM=True, GLU=False, RESIDUAL=True, OUT_F32=False, BLOCK_N=4, BLOCK_K=256, PDL=pdl)
+    attention = dict(qkv_ptr=z(12 * 64), cos_ptr=z(64), sin_ptr=z(64), k_ptr=z(2 * 32 * 64), v_ptr=z(2 * 32 * 64),
+                     pos_ptr=z(1, torch.int64), count_ptr=z(2, torch.int32), count_offset=0, m_ptr=z(64, f32),
+                     l_ptr=z(64, f32), acc_ptr=z(64 * 64, f32), out_ptr=z(8 * 64), max_seq=32, SM_SCALE=0.125, H=8,
+                     H_KV=2, D=64, BLOCK_H=16, REP_P2=4, BLOCK_T=16, SPLITS=2, PDL=pdl)
+    out[str(pdl)] = {"gemv": written(K._gemv_kernel, gemv), "attention": written(K._attention_kernel, attention)}
+print(json.dumps(out))
+"""
+
+
+def test_the_waiting_kernels_write_what_the_plain_ones_write():
+    """AOTInductor decides from Triton IR which inputs a kernel writes; a kernel it cannot analyse counts as writing
+    every input, and the exported method grows an output per input (torch 2.11 and Triton's gdc_wait: 21 outputs,
+    NOTES item 26). The griddepcontrol asm must leave the analysis as it is without it."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["VOXTRAL_RUNNER_PDL"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", ANALYSE], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["True"] == got["False"]
+    assert got["False"]["gemv"] == ["out_ptr"]
+    assert "qkv_ptr" not in got["False"]["attention"] and "out_ptr" in got["False"]["attention"]

@@ -263,7 +263,7 @@ def tune_in_step(lm, c, results, fill: int) -> None:
         "lm_head": ("rms_f32", c.vocab_size, c.dim),
     }
     out = results["in_step_tuning"] = {}
-    pdl = K.pdl_supported(emb)  # the kernels wait (VOXTRAL_RUNNER_PDL=1): tune with programmatic edges
+    pdl = K.pdl_supported(emb)  # the kernels wait (sm_90+, unless VOXTRAL_RUNNER_PDL=0): tune with programmatic edges
     with torch.no_grad():
         if pdl:  # the step with plain and with programmatic edges, alternating
             ab = {"plain": [], "pdl": []}

@@ -64,7 +64,7 @@ class ProgramEngine:
         self.use_cuda_graph = cuda_graph and self.device == "cuda"
         self.graph: DecodeGraph | None = None
         self.chain: GreedyChainGraph | None = None
-        # the bundle's decode kernels wait before reading (exported with VOXTRAL_RUNNER_PDL=1): their graph edges
+        # the bundle's decode kernels wait before reading (manifest `pdl`: sm_90+, by default): their graph edges
         # may be made programmatic (runner/pdl.py); VOXTRAL_RUNNER_PDL=0 here keeps them plain anyway
         self.pdl = bool(model.get("pdl")) and self.use_cuda_graph and pdl.enabled()
         self.prefill_graphs = PrefillGraphs(self) if self.use_cuda_graph else None

@@ -50,8 +50,9 @@ class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
 
 
 def enabled() -> bool:
-    """VOXTRAL_RUNNER_PDL=0 captures plain graphs even for a bundle whose kernels wait (an A/B, or a driver that
-    misbehaves). A bundle exported without VOXTRAL_RUNNER_PDL=1 never gets programmatic edges (manifest `pdl`)."""
+    """On unless VOXTRAL_RUNNER_PDL=0. At export it leaves griddepcontrol out of the decode kernels (manifest
+    `pdl: false`: that bundle never gets programmatic edges); at run time it captures plain graphs even for a
+    bundle whose kernels wait (an A/B, or a driver that misbehaves)."""
     return os.environ.get("VOXTRAL_RUNNER_PDL", "1") != "0"
 
 

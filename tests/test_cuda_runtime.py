@@ -127,7 +127,7 @@ def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
 
     engine = runner.engine
     if not engine.pdl:
-        pytest.skip("the bundle's kernels do not wait: exported without VOXTRAL_RUNNER_PDL=1 (or VOXTRAL_RUNNER_PDL=0)")
+        pytest.skip("the bundle's kernels do not wait: exported before sm_90 or with VOXTRAL_RUNNER_PDL=0")
     layers = engine.program.manifest.model["config"]["text"]["n_layers"]
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     token, pos = torch.zeros(1, 1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")

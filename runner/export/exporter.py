@@ -248,9 +248,10 @@ def decode_step_module(model: Voxtral, device: str) -> nn.Module:
 
 
 def _decode_kernels_wait(device: str) -> bool:
-    """Whether text_decoder_step's kernels are compiled with griddepcontrol.wait (VOXTRAL_RUNNER_PDL=1 on an
-    sm_90+ GPU): the manifest's `pdl`, without which the runtime keeps every graph edge plain (runner/pdl.py)."""
-    if torch.device(device).type != "cuda" or os.environ.get("VOXTRAL_RUNNER_PDL", "0") != "1":
+    """Whether text_decoder_step's kernels are compiled with griddepcontrol.wait (on an sm_90+ GPU unless
+    VOXTRAL_RUNNER_PDL=0): the manifest's `pdl`, without which the runtime keeps every graph edge plain
+    (runner/pdl.py)."""
+    if torch.device(device).type != "cuda":
         return False
     from runner.export import kernels  # imports Triton
 

@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from runner import pdl
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMV kind, by (N, K). Session 11 swept each GEMV alone (48 configs,
 # `h200/decode_kernels_sweep1.json`; us per call, ours vs cuBLAS: qkv 11.3 vs 14.7, o_proj 8.9 vs 12.7, gate_up 27.2
 # vs 27.4, down 14.9 vs 19.1, lm_head 181 vs 198). Session 12 tuned o_proj, gate_up and down inside the whole step,
@@ -157,17 +159,11 @@ def _gemv_kernel(
         tl.store(out_ptr + rows, y.to(tl.bfloat16), mask=row_ok)
 
 
-def pdl_export_enabled() -> bool:
-    """VOXTRAL_RUNNER_PDL=1 at export compiles the decode kernels with griddepcontrol (and the bundle says so:
-    the runtime makes their graph edges programmatic only then). Off by default until a GPU run has checked the
-    programmatic graphs (benchmarks/NOTES.md, item 26)."""
-    return os.environ.get("VOXTRAL_RUNNER_PDL", "0") == "1"
-
-
 def pdl_supported(t: torch.Tensor) -> bool:
-    """Whether kernels launched on t's device carry the grid-dependency instructions: asked for at export, sm_90
-    or later, and compiled (Triton's interpreter has no griddepcontrol)."""
-    if not pdl_export_enabled() or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    """Whether kernels launched on t's device carry the grid-dependency instructions: sm_90 or later, compiled
+    (Triton's interpreter has no griddepcontrol), and not switched off (VOXTRAL_RUNNER_PDL=0 at export: the
+    bundle's manifest then says `pdl: false` and the runtime keeps every graph edge plain)."""
+    if not pdl.enabled() or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(t.device) >= (9, 0)
 

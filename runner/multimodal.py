@@ -524,15 +524,24 @@ class MultimodalRunner:
             stop = "max_new_tokens"
             limit = opts.max_new_tokens if forced is None else min(opts.max_new_tokens, len(forced))
 
-            def choose(logits: torch.Tensor, n: int) -> torch.Tensor:  # -> token [1, 1] on the device
+            def pick(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                """The n-th token [1, 1] on the device, and its logits if recorded (copied now: a graph's logits
+                buffer is overwritten by the next step)."""
+                t0 = now_ms()
                 if forced is None:
-                    return sampler(logits)
-                return torch.full((1, 1), forced[n], dtype=torch.int64, device=e.device)
+                    token = sampler(logits)
+                else:
+                    token = torch.full((1, 1), forced[n], dtype=torch.int64, device=e.device)
+                kept = logits.to(torch.float32, copy=True) if opts.record_logits else None
+                stats.aggregate_sampling_time_ms += now_ms() - t0
+                return token, kept
 
-            if forced is None and sampler.generator is None and not opts.record_logits:
-                steps = self._greedy_stream(logits, len(prompt_ids), limit, stats)
-            else:
-                steps = self._token_stream(logits, len(prompt_ids), limit, choose, opts.record_logits, stats)
+            def one_step(token: torch.Tensor, pos: int, n: int, room: int):  # sampling, forcing, recording
+                return pick(e.decode_token(token, pos), n)
+
+            greedy = forced is None and sampler.generator is None and not opts.record_logits
+            advance = self._greedy_advance() if greedy else one_step
+            steps = self._token_stream(lambda: pick(logits, 0), len(prompt_ids), limit, advance)
             for tok_id, chosen_from in steps:
                 if not tokens:
                     stats.first_token_ms = now_ms()
@@ -557,72 +566,53 @@ class MultimodalRunner:
         text = self.tok.decode([t for t in tokens if t < self.tok.vocab_size and t != self.tok.eos_id])
         return GenerationResult(text, prompt_ids, tokens, stop, stats, recorded)
 
-    def _token_stream(self, logits, pos: int, limit: int, choose, record: bool, stats: Stats):
-        """Yields (token id, the logits it was chosen from or None). After the first token, the next step is
-        queued on the device before the host waits for this one, so the host's per-step work (reading the id,
-        streaming text) overlaps the GPU's and the GPU does not idle between steps (H200, 3B: 3.08 ms per token
-        end to end before, 2.95 ms after, the graph replay's own time). Launches stop at `limit` tokens or the end of the
-        context; a consumer that stops at EOS leaves one queued step behind, which the reset() after it follows
-        on the same stream."""
+    def _token_stream(self, first, pos: int, limit: int, advance):
+        """Yields (token id, the logits it was chosen from or None). first() gives the first token (from the
+        prefill's logits); advance(token, pos, n, room) queues the steps after `token` at `pos` and gives their
+        tokens [1, k], k <= room, with n tokens chosen so far. After the first token, the next steps are queued on
+        the device before the host waits for these, so the host's per-step work (reading ids, streaming text)
+        overlaps the GPU's and the GPU does not idle between steps (H200, 3B: 3.08 ms per token end to end
+        before, 2.95 ms after, the graph replay's own time). Launches stop at `limit` tokens or the end of the
+        context; a consumer that stops at EOS leaves queued steps behind, which the reset() after it follows on
+        the same stream."""
         e, queue, n, ahead = self.engine, deque(), 0, 0  # ahead 0 for the first token: it is the TTFT
 
-        def launch(logits: torch.Tensor) -> torch.Tensor:
+        def launch(tokens: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
             nonlocal n
-            t0 = now_ms()
-            token = choose(logits, n)
-            # copied now: a graph's logits buffer is overwritten by the next step
-            kept = logits.to(torch.float32, copy=True) if record else None
-            queue.append((token.to("cpu", non_blocking=True), kept, _recorded_event(e.device)))
-            n += 1
-            stats.aggregate_sampling_time_ms += now_ms() - t0
-            return token
-
-        if limit < 1:
-            return
-        token = launch(logits)
-        while True:
-            while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
-                token = launch(e.decode_token(token, pos))
-                pos += 1
-            if not queue:
-                return
-            host, kept, done = queue.popleft()
-            done.synchronize()
-            ahead = 1
-            yield int(host), (kept.cpu() if kept is not None else None)
-
-    def _greedy_stream(self, logits, pos: int, limit: int, stats: Stats):
-        """Greedy decoding in chains: the engine's `decode_greedy` queues n steps at once (one CUDA-graph replay
-        for a whole chain, GreedyChainGraph) and the host reads each chain's tokens with one copy. Yields
-        (token id, None), the same tokens as `_token_stream` with the greedy sampler. Two chains stay queued, as
-        one step does there; a tail shorter than a chain (the token limit, the context's end) runs step by step."""
-        e, queue, n, ahead = self.engine, deque(), 0, 0
-        decode_greedy = getattr(e, "decode_greedy", None) or (lambda t, p, k: greedy_steps(e, t, p, k))
-        chain = getattr(e, "greedy_chain", 1)
-
-        def launch(tokens: torch.Tensor) -> torch.Tensor:  # [1, k] on the device, copied out before it is reused
-            nonlocal n
-            queue.append((tokens.to("cpu", non_blocking=True), _recorded_event(e.device)))
+            queue.append((tokens.to("cpu", non_blocking=True), kept, _recorded_event(e.device)))
             n += tokens.shape[1]
             return tokens[:, -1:]
 
         if limit < 1:
             return
-        t0 = now_ms()
-        token = launch(logits.argmax(dim=-1, keepdim=True))
-        stats.aggregate_sampling_time_ms += now_ms() - t0
+        token = launch(*first())
         while True:
             while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
-                k = chain if min(limit - n, e.max_seq_len - pos) >= chain else 1  # the argmax is the step's own
-                token = launch(decode_greedy(token, pos, k))
-                pos += k
+                tokens, kept = advance(token, pos, n, min(limit - n, e.max_seq_len - pos))
+                token = launch(tokens, kept)
+                pos += tokens.shape[1]
             if not queue:
                 return
-            host, done = queue.popleft()
+            host, kept, done = queue.popleft()
             done.synchronize()
             ahead = 1
+            kept = kept.cpu() if kept is not None else None
             for tok_id in host.view(-1).tolist():
-                yield int(tok_id), None
+                yield int(tok_id), kept
+
+    def _greedy_advance(self):
+        """`_token_stream`'s advance for greedy decoding with nothing recorded: in chains. The engine's
+        `decode_greedy` queues k steps at once (one CUDA-graph replay for a whole chain, GreedyChainGraph) and the
+        host reads a chain's tokens with one copy; two chains stay queued, as one step does otherwise. A tail
+        shorter than a chain (the token limit, the context's end) runs step by step."""
+        e = self.engine
+        decode_greedy = getattr(e, "decode_greedy", None) or (lambda t, p, k: greedy_steps(e, t, p, k))
+        chain = getattr(e, "greedy_chain", 1)
+
+        def advance(token: torch.Tensor, pos: int, n: int, room: int):
+            return decode_greedy(token, pos, chain if room >= chain else 1), None  # the argmax is the step's own
+
+        return advance
 
     def prompt_for(self, audio_path: str | os.PathLike, prompt: str | None, language: str | None) -> list[Segment]:
         samples = load_audio(audio_path)

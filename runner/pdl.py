@@ -14,10 +14,7 @@ other edge keeps full completion. Uses the CUDA driver API (12.3+: edge data, cu
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-
-log = logging.getLogger(__name__)
 
 # Kernels that execute griddepcontrol.wait before reading anything their predecessor wrote (AOTInductor names a
 # call site's kernel by its Triton name, sometimes with a suffix).

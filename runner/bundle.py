@@ -187,12 +187,10 @@ def _workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def cache_dir() -> Path:
-    """The user cache: compiled `.so` files (export) and verified digests (runtime)."""
-    base = os.environ.get("VOXTRAL_RUNNER_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "voxtral-runner"
-    )
-    return Path(base)
+def default_cache_dir() -> Path:
+    """The user cache: compiled `.so` files (export) and verified digests (runtime). The CLI may name another
+    (VOXTRAL_RUNNER_CACHE, XDG_CACHE_HOME: runner/app/options.py)."""
+    return Path.home() / ".cache" / "voxtral-runner"
 
 
 class DigestCache:
@@ -202,12 +200,13 @@ class DigestCache:
     file (and cannot be set from user space), so a stat match means the bytes hashed earlier are still there;
     anything else is hashed again. The path is not in the key: the exporter hashes its files in a staging
     directory that is then renamed into place, and the first load must not hash them again.
-    `VOXTRAL_RUNNER_REHASH=1` ignores the cache."""
+    `rehash` ignores what is remembered (and remembers afresh)."""
 
     MAX_ENTRIES = 4096  # the oldest are dropped on save: the file must not grow with every bundle ever seen
 
-    def __init__(self, path: Path | None = None):
-        self.path = path or cache_dir() / "digests.json"
+    def __init__(self, path: Path | None = None, rehash: bool = False):
+        self.path = path or default_cache_dir() / "digests.json"
+        self.rehash = rehash
         try:
             self.entries = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -220,7 +219,7 @@ class DigestCache:
         return f"{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
     def known(self, p: Path) -> str | None:
-        if os.environ.get("VOXTRAL_RUNNER_REHASH") == "1":
+        if self.rehash:
             return None
         return self.entries.get(self._key(p))
 
@@ -265,7 +264,9 @@ def safe_member(bundle_dir: Path, rel: str) -> Path:
     return full
 
 
-def file_entries(bundle_dir: Path, names: list[str], chunk_size: int = CHUNK_BYTES) -> dict[str, FileEntry]:
+def file_entries(
+    bundle_dir: Path, names: list[str], chunk_size: int = CHUNK_BYTES, digests: DigestCache | None = None
+) -> dict[str, FileEntry]:
     """Size, sha256 and (over `chunk_size`) per-chunk digests of each file. The whole-file digests are
     remembered, so the first load of this bundle need not hash again; pieces hash on every core meanwhile."""
     paths = [bundle_dir / n for n in names]
@@ -277,11 +278,11 @@ def file_entries(bundle_dir: Path, names: list[str], chunk_size: int = CHUNK_BYT
             if size > chunk_size
             for off in range(0, size, chunk_size)
         }
-        digests = DigestCache().sha256_all(paths)
+        whole = (digests or DigestCache()).sha256_all(paths)
         chunks = {n: [f.result() for (m, _), f in pieces.items() if m == n] for n in names}
     return {
         n: FileEntry(d, size, chunk_size, chunks[n]) if chunks[n] else FileEntry(d, size)
-        for n, size, d in zip(names, sizes, digests)
+        for n, size, d in zip(names, sizes, whole)
     }
 
 
@@ -301,9 +302,12 @@ def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
     return Manifest.from_json(path.read_text(errors="replace"), source=str(path))
 
 
-def verify_bundle(bundle_dir: str | os.PathLike, *, check_digests: bool = True) -> Manifest:
+def verify_bundle(
+    bundle_dir: str | os.PathLike, *, check_digests: bool = True, digests: DigestCache | None = None
+) -> Manifest:
     """Read the manifest and check that every file it names is present, unlinked, of the right size and
-    digest, and that every method's library and weights are among those files. Raises BundleError."""
+    digest, and that every method's library and weights are among those files. Raises BundleError.
+    `digests` remembers verified files (default: the user cache's)."""
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
     for method in manifest.methods.values():
@@ -330,14 +334,14 @@ def verify_bundle(bundle_dir: str | os.PathLike, *, check_digests: bool = True) 
         if size != entry.size:
             raise BundleError(f"{path}: size {size} does not match the manifest ({entry.size})")
     if check_digests:
-        _verify_digests(manifest.files, paths)
+        _verify_digests(manifest.files, paths, digests or DigestCache())
     return manifest
 
 
-def _verify_digests(entries: dict[str, FileEntry], paths: dict[str, Path]) -> None:
+def _verify_digests(entries: dict[str, FileEntry], paths: dict[str, Path], cache: DigestCache) -> None:
     """Every file against its manifest digest: a remembered digest costs nothing; a chunked file is hashed
     piece by piece on every core (and then remembered as verified); any other file is hashed whole."""
-    cache, mismatch = DigestCache(), "sha256 does not match the manifest (corrupt or modified file)"
+    mismatch = "sha256 does not match the manifest (corrupt or modified file)"
     pool = ThreadPoolExecutor(max_workers=_workers())
     try:
         jobs = {}

@@ -1,4 +1,4 @@
-"""Where the weights come from: an HF checkpoint directory, a preset with random init, or a bundle.
+"""Where Voxtral's weights come from: an HF checkpoint directory, or a preset with random init.
 
 A checkpoint directory is what `VoxtralForConditionalGeneration.save_pretrained(DIR)` writes (config.json and
 `model.safetensors` or sharded `model-0000x-of-0000y.safetensors` + index) plus `tekken.json`. Only safetensors
@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from runner.bundle import sha256_file
 from runner.errors import ExportError
-from runner.export.config import VoxtralConfig, preset
-from runner.export.model import Voxtral
+from runner.models.state import load_state
+from runner.models.voxtral import Voxtral
+from runner.models.voxtral_config import VoxtralConfig, preset
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TINY_CHECKPOINT = FIXTURES / "voxtral-tiny"  # config.json (tokenizer: fixtures/tekken.json); weights are seeded
@@ -99,33 +100,6 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     return model.to(dtype).eval(), source, ckpt / "tekken.json"
 
 
-def load_state(model: Voxtral, state: dict[str, torch.Tensor], source: str, assign: bool = False) -> None:
-    """Strict load with one error listing every missing, unexpected and mis-shaped key, named as the checkpoint
-    names them (the HF layout; a model with fused projections converts on the way in). `assign` takes the
-    tensors as they are (dtype, device) into a model built on the meta device."""
-    to_hf = getattr(model, "to_hf_layout", lambda s: s)
-    expected, state = to_hf(model.state_dict()), to_hf(state)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(
-        f"{k} {list(state[k].shape)} (want {list(expected[k].shape)})"
-        for k in set(state) & set(expected)
-        if state[k].shape != expected[k].shape
-    )
-    problems = [
-        f"{label}: {', '.join(keys[:8])}{' …' if len(keys) > 8 else ''} ({len(keys)})"
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-        if keys
-    ]
-    if problems:
-        raise ExportError(f"{source}: checkpoint does not match the config — " + "; ".join(problems))
-    state = getattr(model, "from_hf_layout", lambda s: s)(state)
-    if assign:
-        model.load_state_dict(state, strict=True, assign=True)
-    else:
-        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-
-
 def random_model(
     preset_name: str, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[Voxtral, ModelSource]:
@@ -158,21 +132,3 @@ def write_tiny_checkpoint(dest: Path) -> Path:
     save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(weights)
     return dest
-
-
-def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtral:
-    """The eager model with exactly the bundle's weights (for `--reference eager` and benchmarks): the weight
-    files are keyed by each exported method's FQNs; map them back onto the full model."""
-    config = VoxtralConfig.from_dict(manifest.model["config"])
-    dtype = getattr(torch, manifest.dtype)
-    prefix = {"audio_encoder": "", "token_embedding": "language_model.model.", "text_decoder": "language_model.model."}
-    state = {}
-    for method, pre in prefix.items():
-        for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
-            state["language_model.lm_head.weight" if k == "lm_head.weight" else pre + k] = v
-    with torch.device("meta"):  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
-        model = Voxtral(config)
-    load_state(model, {k: v.to(dtype) for k, v in state.items()}, source=str(bundle_dir), assign=True)
-    model.eval()
-    model.setup_caches(manifest.model["max_seq_len"])
-    return model

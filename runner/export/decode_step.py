@@ -12,23 +12,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runner.export.config import TextConfig
-from runner.export.model import LanguageModel, rope_inv_freq
+from runner.models.voxtral import LanguageModel, rope_inv_freq
+from runner.models.voxtral_config import TextConfig
 
 
 class DecodeStep(nn.Module):
     """embeds [1, 1, dim], cache_position [1] -> logits [1, vocab] float32; writes the KV cache at that position.
     Parameter names are the text_decoder's (`layers.*`, `norm`, `lm_head`), so one weights file serves both."""
 
-    def __init__(self, c: TextConfig, lm: LanguageModel):
+    def __init__(self, c: TextConfig, lm: LanguageModel, pdl: bool = False):
+        """`pdl`: the kernels wait for the kernel before them (programmatic dependent launch; sm_90+)."""
         super().__init__()
         from runner.export import kernels  # noqa: F401  (registers torch.ops.voxtral.*; needs Triton)
 
-        self.c = c
+        self.c, self.pdl = c, pdl
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        c, d, ops = self.c, self.c.head_dim, torch.ops.voxtral
+        c, d, ops, pdl = self.c, self.c.head_dim, torch.ops.voxtral, self.pdl
         x = embeds.reshape(c.dim)
         # [2, D] cos, sin: one position, all layers
         cos, sin = ops.rope_table(cache_position, rope_inv_freq(d, c.rope_theta, embeds.device), embeds)
@@ -39,10 +40,10 @@ class DecodeStep(nn.Module):
         for i, layer in enumerate(self.layers):
             attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False)
+            qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False, pdl)
             # RoPE, this position's cache write and the attention in one kernel
-            a = ops.decode_attention(qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counters, i * slots)
-            x = ops.gemv_add(a, attn.o_proj.weight, x)
-            h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False)
-            x = ops.gemv_add(h, mlp.down_proj.weight, x)
-        return ops.rms_gemv(x, self.norm.weight, self.lm_head.weight, self.norm.eps, False, True).view(1, -1)
+            a = ops.decode_attention(qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counters, i * slots, pdl)
+            x = ops.gemv_add(a, attn.o_proj.weight, x, pdl)
+            h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False, pdl)
+            x = ops.gemv_add(h, mlp.down_proj.weight, x, pdl)
+        return ops.rms_gemv(x, self.norm.weight, self.lm_head.weight, self.norm.eps, False, True, pdl).view(1, -1)

@@ -18,14 +18,10 @@ compiles the Triton kernel into the `.so`. Triton is imported only here: CPU exp
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
-
-from runner import pdl
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMV kind, by (N, K). Session 11 swept each GEMV alone (48 configs,
 # `h200/decode_kernels_sweep1.json`; us per call, ours vs cuBLAS: qkv 11.3 vs 14.7, o_proj 8.9 vs 12.7, gate_up 27.2
@@ -163,15 +159,14 @@ def _gemv_kernel(
 
 
 def pdl_supported(t: torch.Tensor) -> bool:
-    """Whether kernels launched on t's device carry the grid-dependency instructions: sm_90 or later, compiled
-    (Triton's interpreter has no griddepcontrol), and not switched off (VOXTRAL_RUNNER_PDL=0 at export: the
-    bundle's manifest then says `pdl: false` and the runtime keeps every graph edge plain)."""
-    if not pdl.enabled() or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(t.device) >= (9, 0)
+    """Whether kernels launched on t's device can carry the grid-dependency instructions: sm_90 or later. The
+    exporter compiles them in only where this holds and its options ask for it (the manifest's `pdl`: without
+    it the runtime keeps every graph edge plain). Triton's interpreter has no griddepcontrol: it runs on CPU
+    tensors, for which this is False."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
-def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=False, config=None):
+def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=False, pdl=False, config=None):
     """Launch `_gemv_kernel`; `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the table (sweeps)."""
     n = w.shape[0] // 2 if glu else w.shape[0]
     k = w.shape[1]
@@ -193,7 +188,7 @@ def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=Fal
         OUT_F32=out_f32,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PDL=pdl_supported(x),
+        PDL=pdl,
         num_warps=warps,
         num_stages=stages,
     )
@@ -201,15 +196,18 @@ def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=Fal
 
 
 @triton_op("voxtral::rms_gemv", mutates_args=())
-def rms_gemv(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float, glu: bool, out_f32: bool) -> torch.Tensor:
-    """x [K] bf16, g [K] (RMSNorm weight), w [N, K] (or [2N, K] with glu) -> [N]."""
-    return _launch_gemv(x, w, g=g, eps=eps, glu=glu, out_f32=out_f32)
+def rms_gemv(
+    x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float, glu: bool, out_f32: bool, pdl: bool = False
+) -> torch.Tensor:
+    """x [K] bf16, g [K] (RMSNorm weight), w [N, K] (or [2N, K] with glu) -> [N]. `pdl`: wait for the kernel before
+    (griddepcontrol) after loading the first weight tile; only where pdl_supported()."""
+    return _launch_gemv(x, w, g=g, eps=eps, glu=glu, out_f32=out_f32, pdl=pdl)
 
 
 @triton_op("voxtral::gemv_add", mutates_args=())
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x [K], w [N, K], residual [N] -> residual + w @ x, bf16."""
-    return _launch_gemv(x, w, residual=residual)
+    return _launch_gemv(x, w, residual=residual, pdl=pdl)
 
 
 @triton.jit
@@ -354,7 +352,9 @@ def _attention_kernel(
             tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
 
 
-def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None):
+def _launch_attention(
+    qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, pdl=False, splits=None, block_t=None
+):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_heads = qkv.shape[0] // d - 2 * n_kv
     splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
@@ -386,7 +386,7 @@ def _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_of
         REP_P2=rep_p2,
         BLOCK_T=block_t,
         SPLITS=splits,
-        PDL=pdl_supported(qkv),
+        PDL=pdl,
         num_warps=4,
     )
     return out
@@ -402,9 +402,10 @@ def decode_attention(
     pos: torch.Tensor,
     counters: torch.Tensor,
     counter_offset: int,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One decode step's attention: qkv [(H + 2 H_kv) * D] as the qkv GEMV wrote it (no RoPE yet), cos/sin [D] of
     this position, caches [1, H_kv, max_seq, D] (this position's key and value are written here), pos [1],
     counters int32, zero in the H_KV slots from counter_offset (a multiple of 16: every layer specialises alike)
     and left zero -> [H * D]."""
-    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset)
+    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, pdl)

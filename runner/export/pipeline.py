@@ -1,0 +1,300 @@
+"""The export pipeline every family shares: each method torch.export'ed and compiled by AOTInductor into its own
+`.so` (through a compile cache), its weights written as safetensors keyed by FQN, the manifest, a self-check
+of every compiled method through our own delegate against eager, and an atomic publish.
+
+Weights are kept out of the `.so` (`package_constants_in_so=False`); the runtime binds them into the container
+at init. The bundle is built in a staging directory and renamed into place at the end, so a failed export
+leaves no half bundle. A family's exporter (runner/export/voxtral.py, whisper.py) plans the methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from runner import __version__
+from runner.bundle import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    DigestCache,
+    Manifest,
+    default_cache_dir,
+    file_entries,
+    write_manifest,
+)
+from runner.errors import ExportError
+from runner.export.checkpoint import ModelSource
+from runner.export.methods import MethodPlan, dtype_name
+from runner.runtime.options import RuntimeOptions
+from runner.runtime.program import Program
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Per-dtype tolerance of the exported-vs-eager self-check, relative to the reference's largest magnitude.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
+PIPELINE_SOURCES = ("export/pipeline.py", "export/methods.py", "models/mel.py", "audio.py")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    device: str = "cpu"
+    dtype: str = "fp32"
+    max_seq_len: int = 1024
+    max_audio_chunks: int = 2
+    debug: bool = False  # AOTI debug compile, generated sources kept in the bundle's debug/ (the seed's DEBUG=1)
+    cache_dir: Path | None = None  # compile cache and remembered digests (None: bundle.default_cache_dir())
+    check: bool = True  # run every method against eager before publishing
+    pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
+
+    @property
+    def cache_root(self) -> Path:
+        return Path(self.cache_dir or default_cache_dir())
+
+
+@dataclass
+class ExportReport:
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    cached: dict[str, bool] = field(default_factory=dict)
+    max_error: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- compile, with a cache
+
+
+def source_digest(files: tuple[str, ...]) -> str:
+    """sha256 over source files (paths relative to runner/): part of the compile-cache key."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in files:
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(model: nn.Module, source: ModelSource, opts: ExportOptions, method: str, family: dict) -> str:
+    """Everything the compiled `.so` depends on: the pipeline's own sources, and `family`: what the family's
+    exporter adds (its sources, its switches)."""
+    blob = json.dumps(
+        {
+            "config": model.config.to_dict(),
+            "weights": source.weights_digest,
+            "dtype": opts.dtype,
+            "device": opts.device,
+            "torch": torch.__version__,
+            "max_seq_len": opts.max_seq_len,
+            "max_audio_chunks": opts.max_audio_chunks,
+            "source": source_digest(PIPELINE_SOURCES),
+            "family": family,
+            "method": method,
+            "debug": opts.debug,
+            "format": FORMAT_VERSION,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def _one_object_per_kernel():
+    """AOTInductor before torch 2.13 embeds each kernel binary as `<cubin>.o`, its symbols renamed to the kernel's
+    name. When two kernel names share one cubin (the same Triton kernel, specialised alike, at two call sites:
+    seen with the cache-writing attention of the 3B step), the second object overwrites the first and is linked
+    twice: "multiple definition of `___attention_kernel_N_start'". Each kernel name gets its own copy of the
+    cubin here. torch 2.13 embeds all binaries in one batched object, named per kernel, and calls this function
+    only as its fallback."""
+    from torch._inductor import codecache
+
+    original = getattr(codecache, "convert_cubin_to_obj", None)
+    if original is None:
+        yield
+        return
+
+    def convert(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> str:
+        own = f"{cubin_file[: -len('.cubin')] if cubin_file.endswith('.cubin') else cubin_file}.{kernel_name}.cubin"
+        shutil.copyfile(cubin_file, own)
+        return original(own, kernel_name, ld, objcopy)
+
+    codecache.convert_cubin_to_obj = convert
+    try:
+        yield
+    finally:
+        codecache.convert_cubin_to_obj = original
+
+
+def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_dir: Path | None) -> Path:
+    """torch.export + AOTInductor; returns the path of the method's `.so` (weights not embedded)."""
+    with torch.no_grad():
+        ep = plan.exported()
+    configs = {"aot_inductor.package_constants_in_so": False, "aot_inductor.debug_compile": opts.debug}
+    if opts.device == "cuda":
+        # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
+        # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
+        configs["aot_inductor.embed_kernel_binary"] = True
+    with _one_object_per_kernel():
+        package = torch._inductor.aoti_compile_and_package(
+            ep, package_path=str(workdir / f"{plan.name}.pt2"), inductor_configs=configs
+        )
+    with zipfile.ZipFile(package) as z:
+        libs = [n for n in z.namelist() if n.endswith(".so")]
+        if len(libs) != 1:
+            raise ExportError(f"{plan.name}: expected one .so in the AOTI package, found {libs}")
+        so = workdir / f"{plan.name}.so"
+        with z.open(libs[0]) as src, open(so, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        if debug_dir is not None:  # the seed's DEBUG option: keep the generated C++ next to the bundle
+            for n in z.namelist():
+                if n.endswith((".cpp", ".h", ".json")):
+                    (debug_dir / plan.name).mkdir(parents=True, exist_ok=True)
+                    (debug_dir / plan.name / Path(n).name).write_bytes(z.read(n))
+    return so
+
+
+def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the method module except the state the runtime allocates."""
+    sd = dict(plan.module.named_parameters())
+    sd.update((k, b) for k, b in plan.module.named_buffers() if k not in plan.spec.state)
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def build_bundle(
+    model: nn.Module,
+    plans: list[MethodPlan],
+    source: ModelSource,
+    tokenizer_path: Path,
+    meta: dict,
+    out: Path,
+    opts: ExportOptions,
+    progress=None,
+    family_key: dict | None = None,
+    weights_filter=None,
+) -> ExportReport:
+    """What every family shares: compile each method (or take it from the cache), write its weights, the
+    tokenizer (as `meta["tokenizer"]`) and the manifest into a staging directory, run every method against
+    eager, then publish. `family_key` is what the family's compiled code depends on beyond the pipeline (its
+    sources, its switches), hashed into the cache key; `weights_filter(method, fqn)` may drop weights a method
+    does not use."""
+    out, dtype = Path(out), DTYPES[opts.dtype]
+    cache_root = opts.cache_root / "compiled"
+    digests = DigestCache(opts.cache_root / "digests.json")
+    report = ExportReport()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        debug_dir = stage / "debug" if opts.debug else None
+        written: dict[str, set[str]] = {}  # weights file -> its FQNs
+        for plan in plans:
+            key = cache_key(model, source, opts, plan.name, family_key or {})
+            cached = cache_root / key / f"{plan.name}.so"
+            t0 = time.perf_counter()
+            report.cached[plan.name] = cached.is_file()
+            if cached.is_file():
+                shutil.copyfile(cached, stage / f"{plan.name}.so")
+            else:
+                if progress:
+                    progress(plan.name, "compiling")
+                with tempfile.TemporaryDirectory(dir=stage) as work:
+                    shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), stage / f"{plan.name}.so")
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # concurrent exports: unique name
+                shutil.copyfile(stage / f"{plan.name}.so", tmp)
+                tmp.replace(cached)
+            report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
+            weights = {
+                k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)
+            }
+            if plan.spec.weights in written:  # a second method over one module (text_decoder_step): names only
+                if written[plan.spec.weights] != set(weights):
+                    raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")
+            else:
+                save_file({k: v.cpu() for k, v in weights.items()}, str(stage / plan.spec.weights))
+                written[plan.spec.weights] = set(weights)
+            if progress:
+                done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"
+                progress(plan.name, done)
+        shutil.copyfile(tokenizer_path, stage / meta["tokenizer"])
+
+        files = sorted(p.name for p in stage.iterdir() if p.is_file())
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            torch_version=torch.__version__,
+            device=opts.device,
+            gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
+            dtype=dtype_name(dtype),
+            model={**meta, "compile_seconds": report.compile_seconds},
+            methods={p.name: p.spec for p in plans},
+            files=file_entries(stage, files, digests=digests),
+            created_by=f"runner {__version__}",
+        )
+        write_manifest(stage, manifest)
+        if opts.check:
+            if progress:
+                progress("all", "checking against eager")
+            with Program.load(stage, device=opts.device, options=RuntimeOptions(cache_dir=opts.cache_dir)) as program:
+                for plan in plans:
+                    report.max_error[plan.name] = self_check(program, plan, model, dtype)
+        stage.chmod(0o755)  # mkdtemp makes it private; a bundle is a normal directory
+        _publish(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return report
+
+
+def self_check(program: Program, plan: MethodPlan, model: nn.Module, dtype: torch.dtype) -> float:
+    """Run the compiled method and eager on the same inputs; abort the export on a mismatch."""
+    method = program.methods[plan.name]
+    worst = 0.0
+    if plan.spec.state:  # a stateful method (the decoder's KV cache): both sides start empty
+        model.reset_caches()
+        program.reset_state()
+    with torch.no_grad():
+        for inputs in plan.check_inputs:
+            want = (plan.reference or plan.module)(*inputs)
+            got = method(*inputs)[0]
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise ExportError(
+                    f"{plan.name}: exported output {got.dtype}{list(got.shape)} != eager {want.dtype}{list(want.shape)}"
+                )
+            scale = want.float().abs().max().item() or 1.0
+            err = (got.float() - want.float()).abs().max().item() / scale
+            worst = max(worst, err)
+            if not err <= TOLERANCE[dtype]:
+                raise ExportError(
+                    f"{plan.name}: exported output differs from eager: max relative error "
+                    f"{err:.3g} > {TOLERANCE[dtype]:g} for input shapes "
+                    f"{[list(x.shape) for x in inputs]}"
+                )
+    model.reset_caches()
+    return worst
+
+
+def _gpu_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Replace `out` with the finished stage; the old bundle is removed only after the new one is in place."""
+    old = None
+    if out.exists():
+        if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+            raise ExportError(f"{out}: exists and is not a bundle; refusing to replace it")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    stage.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

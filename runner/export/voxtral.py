@@ -1,0 +1,165 @@
+"""Voxtral's export: its five methods planned over one model (the decoder twice: `text_decoder` for any
+prompt length, `text_decoder_step` for one token, on CUDA the Triton decode kernels), then the shared pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK
+from runner.errors import ExportError
+from runner.export.checkpoint import ModelSource
+from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
+from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, source_digest
+from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
+from runner.models import voxtral
+from runner.models.voxtral import Voxtral
+
+# Hashed into the compile-cache key beside the pipeline's own sources: editing these must recompile.
+SOURCE_FILES = (
+    "models/voxtral.py",
+    "models/voxtral_config.py",
+    "export/voxtral.py",
+    "export/decode_step.py",
+    "export/kernels.py",
+)
+
+
+def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
+    c, dev, dtype = model.config, torch.device(opts.device), DTYPES[opts.dtype]
+    K, S, H = opts.max_audio_chunks, opts.max_seq_len, c.text.dim
+    g = torch.Generator().manual_seed(1234)
+    wave = lambda k: (torch.randn(k * N_SAMPLES, generator=g) * 0.1).to(dev)  # noqa: E731
+    mel = lambda k: torch.randn(k, c.audio.n_mels, 3000, generator=g).to(dev, dtype)  # noqa: E731
+    ids = lambda s: torch.randint(0, c.text.vocab_size, (1, s), generator=g).to(dev)  # noqa: E731
+    emb = lambda s: (torch.randn(1, s, H, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
+    # one chunk at most: a static chunk dim (torch.export refuses Dim(min=1, max=1))
+    chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else Dim.STATIC), Dim("seq", min=1, max=S)
+    mel_dims = [dim(1, K), c.audio.n_mels, 3000]
+    m = voxtral.methods(model)
+    state = kv_cache_state(c.text.n_layers, [1, c.text.n_kv_heads, S, c.text.head_dim], dtype)
+    small = min(2, K)
+    return [
+        preprocessor_plan(c.audio.n_mels, dev, K, [(wave(1),), (wave(small),)]),
+        MethodPlan(
+            "audio_encoder",
+            m.audio_encoder,
+            (mel(min(2, K)),),
+            ({0: chunks},),
+            method_spec(
+                "audio_encoder",
+                [("mel", dtype_name(dtype), mel_dims)],
+                [("audio_embeds", dtype_name(dtype), [1, dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), H])],
+            ),
+            [(mel(small),), (mel(1),)],
+        ),
+        MethodPlan(
+            "token_embedding",
+            m.token_embedding,
+            (ids(3),),
+            ({1: seq},),
+            method_spec(
+                "token_embedding",
+                [("ids", "int64", [1, dim(1, S)])],
+                [("embeds", dtype_name(dtype), [1, dim(1, S), H])],
+            ),
+            [(ids(5),), (ids(1),)],
+        ),
+        MethodPlan(
+            "text_decoder",
+            m.text_decoder,
+            (emb(3), torch.arange(3, device=dev)),
+            ({1: seq}, {0: seq}),
+            method_spec(
+                "text_decoder",
+                [("embeds", dtype_name(dtype), [1, dim(1, S), H]), ("cache_position", "int64", [dim(1, S)])],
+                [("logits", "float32", [1, c.text.vocab_size])],
+                state,
+            ),
+            # prefill then one decode step: the second call only matches if the KV cache was mutated
+            [(emb(7), torch.arange(7, device=dev)), (emb(1), torch.tensor([7], device=dev))],
+        ),
+        MethodPlan(
+            "text_decoder_step",
+            decode_step_module(model, opts.device, opts.pdl),
+            (emb(1), torch.tensor([3], device=dev)),
+            None,  # static: one token
+            replace(
+                method_spec(
+                    "text_decoder_step",
+                    [("embeds", dtype_name(dtype), [1, 1, H]), ("cache_position", "int64", [1])],
+                    [("logits", "float32", [1, c.text.vocab_size])],
+                    state,
+                ),
+                weights="text_decoder.safetensors",  # the same module: one copy of the weights and the KV cache
+            ),
+            # three steps from an empty cache, each attending to the ones before, against the written-out decoder
+            [(emb(1), torch.tensor([i], device=dev)) for i in range(3)],
+            reference=m.text_decoder,
+        ),
+    ]
+
+
+def decode_step_module(model: Voxtral, device: str, pdl: bool = True) -> nn.Module:
+    """The decoder for one token: the Triton kernels on CUDA; elsewhere, or for a head size the attention kernel
+    cannot tile (a power of two >= 16: tl.dot's minimum), the decoder itself, exported at S = 1."""
+    d = model.config.text.head_dim
+    if torch.device(device).type == "cuda" and d >= 16 and d & (d - 1) == 0:
+        from runner.export.decode_step import DecodeStep  # imports Triton
+
+        return DecodeStep(model.config.text, model.language_model, pdl=decode_kernels_wait(device, pdl))
+    return model.decoder()
+
+
+def decode_kernels_wait(device: str, pdl: bool) -> bool:
+    """Whether text_decoder_step's kernels are compiled with griddepcontrol.wait (asked for, on an sm_90+ GPU):
+    the manifest's `pdl`, without which the runtime keeps every graph edge plain (runner/runtime/pdl.py)."""
+    if not pdl or torch.device(device).type != "cuda":
+        return False
+    from runner.export import kernels  # imports Triton
+
+    return kernels.pdl_supported(torch.empty(0, device=device))
+
+
+def export_voxtral(
+    model: Voxtral, source: ModelSource, tekken_path: Path, out: Path, opts: ExportOptions, progress=None
+) -> ExportReport:
+    """Build the bundle into `out` (replaced atomically). `progress(method, phase)` is told what runs."""
+    dtype = DTYPES[opts.dtype]
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise ExportError("--device cuda: no CUDA device visible to torch")
+    if opts.max_audio_chunks * TOKENS_PER_CHUNK + 16 > opts.max_seq_len:
+        raise ExportError(
+            f"--max-seq-len {opts.max_seq_len} cannot hold {opts.max_audio_chunks} audio chunks "
+            f"({opts.max_audio_chunks * TOKENS_PER_CHUNK} tokens) plus a prompt"
+        )
+    tok = Tekken.from_file(tekken_path)
+    special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
+    if special["audio"] != model.config.audio_token_id:
+        raise ExportError(
+            f"{tekken_path}: [AUDIO] is id {special['audio']}, config.json says {model.config.audio_token_id}"
+        )
+    if tok.vocab_size > model.config.text.vocab_size:
+        raise ExportError(
+            f"{tekken_path}: {tok.vocab_size} tokens do not fit the model's vocab ({model.config.text.vocab_size})"
+        )
+
+    model = model.to(device=opts.device, dtype=dtype).eval()
+    model.setup_caches(opts.max_seq_len, dtype)
+    meta = {
+        "family": NAME,
+        "config": model.config.to_dict(),
+        "source": source.to_dict(),
+        "max_seq_len": opts.max_seq_len,
+        "max_audio_chunks": opts.max_audio_chunks,
+        "tokens_per_chunk": TOKENS_PER_CHUNK,
+        "tokenizer": "tekken.json",
+        "special_tokens": special,
+        "pdl": decode_kernels_wait(opts.device, opts.pdl),
+    }
+    key = {"sources": source_digest(SOURCE_FILES), "pdl": meta["pdl"]}
+    return build_bundle(model, plan_methods(model, opts), source, tekken_path, meta, out, opts, progress, key)

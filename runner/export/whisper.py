@@ -1,0 +1,128 @@
+"""Whisper's export: its four methods planned over one model, then the shared pipeline (compile cache,
+exported-vs-eager self-check, atomic publish).
+
+Methods (names and order as a Voxtral bundle, so Program, delegate and `inspect` are unchanged):
+    preprocessor     waveform f32 [480000] -> mel f32 [1, n_mels, 3000]            (one 30 s window)
+    audio_encoder    mel [1, n_mels, 3000] -> cross_kv [L, 2, H, 1500, D]
+    token_embedding  ids int64 [1, S] -> embeds [1, S, d]                            (S = 1..448)
+    text_decoder     embeds [1, S, d], cache_position [S], cross_kv -> logits f32 [1, vocab]; KV cache in place
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from runner.audio import N_FRAMES, N_SAMPLES
+from runner.errors import ExportError
+from runner.export.checkpoint import ModelSource
+from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
+from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, source_digest
+from runner.families.whisper import NAME, SPECIAL_TOKENS, TOKENIZER_TYPE, WhisperTokenizer
+from runner.models import whisper
+from runner.models.whisper import Whisper
+
+PRESET = "whisper-tiny.en"
+TOKENIZER_FILE = "tokenizer.json"
+# Hashed into the compile-cache key beside the exporter's own sources: editing these must recompile.
+SOURCE_FILES = ("models/whisper.py", "models/voxtral.py", "export/whisper.py")
+# Parameters a method module reaches but its graph does not use (the decoder's cross K/V projections run in
+# audio_encoder): left out of that method's weight file.
+UNUSED = {"text_decoder": ("encoder_attn.k_proj.", "encoder_attn.v_proj.")}
+
+
+def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
+    c, dev, dtype = model.config, torch.device(opts.device), DTYPES[opts.dtype]
+    S, d, t = opts.max_seq_len, c.text.dim, c.text
+    kv_shape = [t.n_layers, 2, t.n_heads, c.audio.max_source_positions, t.head_dim]
+    g = torch.Generator().manual_seed(1234)
+    wave = lambda: (torch.randn(N_SAMPLES, generator=g) * 0.1).to(dev)  # noqa: E731
+    mel = lambda: torch.randn(1, c.audio.n_mels, N_FRAMES, generator=g).to(dev, dtype)  # noqa: E731
+    ids = lambda s: torch.randint(0, t.vocab_size, (1, s), generator=g).to(dev)  # noqa: E731
+    emb = lambda s: (torch.randn(1, s, d, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
+    kv = (torch.randn(kv_shape, generator=g) * 0.5).to(dev, dtype)
+    seq = Dim("seq", min=1, max=S)
+    m = whisper.methods(model)
+    name = dtype_name(dtype)
+    state = kv_cache_state(t.n_layers, [1, t.n_heads, S, t.head_dim], dtype)
+    mel_shape = [1, c.audio.n_mels, N_FRAMES]
+    return [
+        preprocessor_plan(c.audio.n_mels, dev, 1, [(wave(),)], ranged=False),
+        MethodPlan(
+            "audio_encoder",
+            m.audio_encoder,
+            (mel(),),
+            None,
+            method_spec("audio_encoder", [("mel", name, mel_shape)], [("cross_kv", name, kv_shape)]),
+            [(mel(),)],
+        ),
+        MethodPlan(
+            "token_embedding",
+            m.token_embedding,
+            (ids(3),),
+            ({1: seq},),
+            method_spec("token_embedding", [("ids", "int64", [1, dim(1, S)])], [("embeds", name, [1, dim(1, S), d])]),
+            [(ids(5),), (ids(1),)],
+        ),
+        MethodPlan(
+            "text_decoder",
+            m.text_decoder,
+            (emb(3), torch.arange(3, device=dev), kv),
+            ({1: seq}, {0: seq}, None),
+            method_spec(
+                "text_decoder",
+                [
+                    ("embeds", name, [1, dim(1, S), d]),
+                    ("cache_position", "int64", [dim(1, S)]),
+                    ("cross_kv", name, kv_shape),
+                ],
+                [("logits", "float32", [1, t.vocab_size])],
+                state,
+            ),
+            # prefill then one decode step: the second call only matches if the KV cache was mutated
+            [(emb(7), torch.arange(7, device=dev), kv), (emb(1), torch.tensor([7], device=dev), kv)],
+        ),
+    ]
+
+
+def export_whisper(
+    model: Whisper, source: ModelSource, tokenizer_path: Path, out: Path, opts: ExportOptions, progress=None
+) -> ExportReport:
+    """Build a Whisper bundle into `out` (replaced atomically), checked against eager before it is published."""
+
+    out, dtype, t = Path(out), DTYPES[opts.dtype], model.config.text
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise ExportError("--device cuda: no CUDA device visible to torch")
+    opts = replace(opts, max_seq_len=min(opts.max_seq_len, t.max_target_positions), max_audio_chunks=1)
+    tok = WhisperTokenizer(tokenizer_path, t.vocab_size)
+    special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
+    model = model.to(device=opts.device, dtype=dtype).eval()
+    model.setup_caches(opts.max_seq_len, dtype)
+    meta = {
+        "family": NAME,
+        "config": model.config.to_dict(),
+        "source": source.to_dict(),
+        "max_seq_len": opts.max_seq_len,
+        "max_audio_chunks": 1,  # per encoder call; the runner walks longer audio window by window
+        "tokens_per_chunk": 0,  # the audio is cross-attended: it takes no decoder positions
+        "n_mels": model.config.audio.n_mels,
+        "multilingual": t.vocab_size >= 51865,  # openai/whisper's rule: .en models have 51864 ids
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_type": TOKENIZER_TYPE,
+        "special_tokens": special,
+    }
+    return build_bundle(
+        model,
+        plan_methods(model, opts),
+        source,
+        tokenizer_path,
+        meta,
+        out,
+        opts,
+        progress,
+        family_key={"family": NAME, "sources": source_digest(SOURCE_FILES)},
+        weights_filter=lambda method, fqn: not any(u in fqn for u in UNUSED.get(method, ())),
+    )

@@ -1,0 +1,265 @@
+"""Whisper in plain PyTorch, written for torch.export: the second model family of the pipeline.
+
+The encoder *is* Voxtral's audio tower (runner/export/model.py `AudioTower`, 80 mel bins here); the decoder is
+Whisper's: token + learned position embeddings, pre-LN layers of causal self-attention (static KV cache, as the
+Voxtral decoder's) + cross-attention over the encoder output + GELU MLP, final LayerNorm, logits tied to the
+token embedding. Parameter names are transformers' `WhisperForConditionalGeneration` names without the leading
+`model.`, so converted weights load into either model.
+
+The exported split (see `WhisperMethods`):
+    audio_encoder    mel [1, n_mels, 3000] -> cross_kv [layers, 2, heads, 1500, head_dim]
+    token_embedding  ids [1, S] -> embeds [1, S, d]
+    text_decoder     embeds [1, S, d], cache_position [S], cross_kv -> logits [1, vocab] f32
+The cross-attention K/V depend only on the audio, so the encoder method computes them once per 30 s window and
+the decoder takes them as an input (zero-copy through the delegate): each decode step only attends, instead of
+re-projecting 1500 encoder frames in every layer (~1.8 GMAC per token for tiny).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.audio import N_FRAMES
+from runner.errors import ExportError
+from runner.models.mel import LogMelSpectrogram
+from runner.models.methods import Methods
+from runner.models.voxtral import AudioTower, KVCache
+from runner.models.voxtral_config import AudioConfig
+
+
+@dataclass(frozen=True)
+class WhisperTextConfig:
+    vocab_size: int = 51864
+    dim: int = 384
+    n_layers: int = 4
+    n_heads: int = 6
+    ffn_dim: int = 1536
+    max_target_positions: int = 448
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:  # plain multi-head attention; named as the Voxtral config does
+        return self.n_heads
+
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    audio: AudioConfig = field(
+        default_factory=lambda: AudioConfig(n_mels=80, dim=384, n_layers=4, n_heads=6, ffn_dim=1536)
+    )
+    text: WhisperTextConfig = field(default_factory=WhisperTextConfig)
+
+    def __post_init__(self):
+        a, t = self.audio, self.text
+        if a.dim != t.dim:
+            raise ExportError(f"Whisper encoder and decoder widths differ ({a.dim} vs {t.dim})")
+        if a.max_source_positions * 2 != N_FRAMES:
+            raise ExportError(f"encoder positions must be {N_FRAMES // 2} (30 s windows)")
+        if a.dim % a.n_heads or t.dim % t.n_heads:
+            raise ExportError("head counts must divide the model width")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["text"].update(head_dim=self.text.head_dim, n_kv_heads=self.text.n_kv_heads)  # for `inspect`
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WhisperConfig:
+        text = {k: v for k, v in d["text"].items() if k not in ("head_dim", "n_kv_heads")}
+        return cls(audio=AudioConfig(**d["audio"]), text=WhisperTextConfig(**text))
+
+    def to_hf(self) -> dict:
+        """transformers' WhisperConfig kwargs for the same shapes (the test-time reference)."""
+        a, t = self.audio, self.text
+        return dict(
+            vocab_size=t.vocab_size,
+            num_mel_bins=a.n_mels,
+            d_model=t.dim,
+            encoder_layers=a.n_layers,
+            encoder_attention_heads=a.n_heads,
+            encoder_ffn_dim=a.ffn_dim,
+            decoder_layers=t.n_layers,
+            decoder_attention_heads=t.n_heads,
+            decoder_ffn_dim=t.ffn_dim,
+            max_source_positions=a.max_source_positions,
+            max_target_positions=t.max_target_positions,
+        )
+
+
+# ---------------------------------------------------------------- decoder
+
+
+def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    b, s, d = x.shape
+    return x.view(b, s, n_heads, d // n_heads).transpose(1, 2)  # [b, H, S, D]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, c: WhisperTextConfig):
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.q_proj = nn.Linear(c.dim, c.dim)
+        self.k_proj = nn.Linear(c.dim, c.dim, bias=False)  # Whisper's key projections have no bias
+        self.v_proj = nn.Linear(c.dim, c.dim)
+        self.out_proj = nn.Linear(c.dim, c.dim)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape  # x: [1, S, d], mask: [S, max_seq]
+        q, k, v = (_heads(p(x), self.n_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+        k, v = self.kv_cache.update(input_pos, k, v)  # [1, H, max_seq, D], written in place
+        # Written out rather than SDPA with a mask, as the Voxtral decoder (torch 2.11's CUDA export guard).
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * (d // self.n_heads) ** -0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [1, H, S, D]
+        return self.out_proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, c: WhisperTextConfig):
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.q_proj = nn.Linear(c.dim, c.dim)
+        self.k_proj = nn.Linear(c.dim, c.dim, bias=False)
+        self.v_proj = nn.Linear(c.dim, c.dim)
+        self.out_proj = nn.Linear(c.dim, c.dim)
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape  # kv: [2, H, 1500, D]
+        q = _heads(self.q_proj(x), self.n_heads)
+        # Written out, softmax in float32, as the self-attention: SDPA with a dynamic query length is the kind
+        # of CUDA path torch 2.11 could not export for the Voxtral decoder. Every position sees the whole window.
+        scores = torch.matmul(q, kv[0:1].transpose(-1, -2)).float() * (d // self.n_heads) ** -0.5  # [1, H, S, 1500]
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(kv.dtype), kv[1:2])  # [1, H, S, D]
+        return self.out_proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: WhisperTextConfig):
+        super().__init__()
+        self.self_attn = SelfAttention(c)
+        self.self_attn_layer_norm = nn.LayerNorm(c.dim)
+        self.encoder_attn = CrossAttention(c)
+        self.encoder_attn_layer_norm = nn.LayerNorm(c.dim)
+        self.fc1 = nn.Linear(c.dim, c.ffn_dim)
+        self.fc2 = nn.Linear(c.ffn_dim, c.dim)
+        self.final_layer_norm = nn.LayerNorm(c.dim)
+
+    def forward(self, x, input_pos, mask, kv):
+        x = x + self.self_attn(self.self_attn_layer_norm(x), input_pos, mask)
+        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), kv)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: WhisperTextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        self.embed_positions = nn.Embedding(c.max_target_positions, c.dim)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layers))
+        self.layer_norm = nn.LayerNorm(c.dim)
+
+
+class Whisper(nn.Module):
+    def __init__(self, config: WhisperConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = AudioTower(config.audio)
+        self.decoder = Decoder(config.text)
+
+    def setup_caches(self, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
+        t = self.config.text
+        if max_seq_len > t.max_target_positions:
+            raise ExportError(f"Whisper's decoder has {t.max_target_positions} positions, not {max_seq_len}")
+        w = self.decoder.embed_tokens.weight
+        for layer in self.decoder.layers:
+            layer.self_attn.kv_cache = KVCache(max_seq_len, t.n_heads, t.head_dim, dtype or w.dtype).to(w.device)
+
+    def reset_caches(self) -> None:
+        for layer in self.decoder.layers:
+            layer.self_attn.kv_cache.k_cache.zero_()
+            layer.self_attn.kv_cache.v_cache.zero_()
+
+    def init_weights(self, seed: int) -> Whisper:
+        """Deterministic random init, for tests that must not need the model package."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        return self
+
+
+# ---------------------------------------------------------------- the exported methods as modules
+
+
+class EncoderMethod(nn.Module):
+    """mel [1, n_mels, 3000] -> cross-attention K/V of every decoder layer [L, 2, H, 1500, D].
+
+    Holds only the K/V projections of the decoder's cross-attention (q/out stay with the decoder), so each
+    method's weight file carries exactly the tensors its library uses."""
+
+    def __init__(self, m: Whisper):
+        super().__init__()
+        self.n_heads = m.config.text.n_heads
+        self.encoder = m.encoder
+        self.cross_k = nn.ModuleList(layer.encoder_attn.k_proj for layer in m.decoder.layers)
+        self.cross_v = nn.ModuleList(layer.encoder_attn.v_proj for layer in m.decoder.layers)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(mel)  # [1, 1500, d]
+        kv = [
+            torch.stack([_heads(k(h), self.n_heads)[0], _heads(v(h), self.n_heads)[0]])
+            for k, v in zip(self.cross_k, self.cross_v)
+        ]
+        return torch.stack(kv)  # [L, 2, H, 1500, D]
+
+
+class TokenEmbeddingMethod(nn.Module):
+    def __init__(self, m: Whisper):
+        super().__init__()
+        self.embed_tokens = m.decoder.embed_tokens
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+
+class DecoderMethod(nn.Module):
+    """embeds [1, S, d] + cache_position [S] + cross_kv -> logits of the last position [1, vocab] float32."""
+
+    def __init__(self, m: Whisper):
+        super().__init__()
+        d = m.decoder
+        self.embed_tokens, self.embed_positions, self.layers, self.layer_norm = (
+            d.embed_tokens,
+            d.embed_positions,
+            d.layers,
+            d.layer_norm,
+        )
+
+    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+        max_seq = self.layers[0].self_attn.kv_cache.k_cache.shape[2]
+        mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [S, max_seq]
+        x = embeds + self.embed_positions(cache_position)[None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache_position, mask, cross_kv[i])
+        # tied output projection: logits = h @ embed_tokens^T
+        return torch.matmul(self.layer_norm(x[:, -1, :]), self.embed_tokens.weight.t()).float()
+
+
+def methods(m: Whisper) -> Methods:
+    device = m.decoder.embed_tokens.weight.device
+    return Methods(
+        LogMelSpectrogram(m.config.audio.n_mels).to(device), EncoderMethod(m), TokenEmbeddingMethod(m), DecoderMethod(m)
+    )

@@ -1,0 +1,47 @@
+"""The eager Voxtral with exactly a bundle's weights (read from its own weight files, so fetched bundles work
+too), as an Engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from runner.bundle import Manifest
+from runner.models import voxtral
+from runner.models.state import load_state
+from runner.models.voxtral import Voxtral
+from runner.models.voxtral_config import VoxtralConfig
+from runner.reference.engine import EagerEngine
+
+
+def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtral:
+    """The eager model with exactly the bundle's weights (for `--reference eager` and benchmarks): the weight
+    files are keyed by each exported method's FQNs; map them back onto the full model."""
+    config = VoxtralConfig.from_dict(manifest.model["config"])
+    dtype = getattr(torch, manifest.dtype)
+    prefix = {"audio_encoder": "", "token_embedding": "language_model.model.", "text_decoder": "language_model.model."}
+    state = {}
+    for method, pre in prefix.items():
+        for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
+            state["language_model.lm_head.weight" if k == "lm_head.weight" else pre + k] = v
+    with torch.device("meta"):  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
+        model = Voxtral(config)
+    load_state(model, {k: v.to(dtype) for k, v in state.items()}, source=str(bundle_dir), assign=True)
+    model.eval()
+    model.setup_caches(manifest.model["max_seq_len"])
+    return model
+
+
+def eager_engine(bundle_dir: Path, manifest: Manifest, device: str | None = None) -> EagerEngine:
+    device = device or manifest.device
+    model = model_from_bundle(bundle_dir, manifest, device=device)
+    return EagerEngine(
+        voxtral.methods(model),
+        device=device,
+        max_seq_len=manifest.model["max_seq_len"],
+        max_audio_chunks=manifest.model["max_audio_chunks"],
+        encoder_dtype=getattr(torch, manifest.dtype),
+        reset=model.reset_caches,
+    )

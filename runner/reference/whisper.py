@@ -1,0 +1,54 @@
+"""The eager Whisper with exactly a bundle's weights, as an Engine (cross-attended audio)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from runner.bundle import Manifest
+from runner.models import whisper
+from runner.models.state import load_state
+from runner.models.whisper import Whisper, WhisperConfig
+from runner.reference.engine import EagerEngine
+
+
+def whisper_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Whisper:
+    """The eager Whisper with exactly the bundle's weights, mapped back from each method's FQNs."""
+    config = WhisperConfig.from_dict(manifest.model["config"])
+    dtype = getattr(torch, manifest.dtype)
+    state: dict[str, torch.Tensor] = {}
+    files = {m: load_file(str(Path(bundle_dir) / manifest.methods[m].weights), device=device) for m in manifest.methods}
+    for k, v in files["audio_encoder"].items():
+        head, _, rest = k.partition(".")
+        if head in ("cross_k", "cross_v"):
+            i, _, param = rest.partition(".")
+            state[f"decoder.layers.{i}.encoder_attn.{head[-1]}_proj.{param}"] = v
+        else:
+            state[k] = v
+    for m in ("token_embedding", "text_decoder"):
+        state.update({f"decoder.{k}": v for k, v in files[m].items()})
+    model = Whisper(config)
+    load_state(model, state, source=str(bundle_dir))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.setup_caches(manifest.model["max_seq_len"], dtype)
+    return model
+
+
+def eager_engine(bundle_dir: Path, manifest: Manifest, device: str | None = None) -> EagerEngine:
+    device = device or manifest.device
+    return engine_for(whisper_from_bundle(bundle_dir, manifest, device=device), device)
+
+
+def engine_for(model: Whisper, device: str = "cpu") -> EagerEngine:
+    """Over an eager model with its caches set up (tests, and references without a bundle)."""
+    return EagerEngine(
+        whisper.methods(model),
+        device=device,
+        max_seq_len=model.decoder.layers[0].self_attn.kv_cache.k_cache.shape[2],
+        max_audio_chunks=1,
+        encoder_dtype=model.decoder.embed_tokens.weight.dtype,
+        reset=model.reset_caches,
+        cross_attention=True,
+    )

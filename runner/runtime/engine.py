@@ -1,0 +1,194 @@
+"""Engines: the four methods of a bundle behind one interface, so the generation loop (runner/runtime/generate.py)
+runs the exported program and the eager reference (runner/reference/) alike.
+
+A family whose decoder cross-attends to the audio (Whisper) keeps the encoder's output and passes it to every
+decoder call after (embeds, cache_position); one whose audio embeddings are decoder positions (Voxtral) passes
+nothing more. That is the only difference between the two kinds of engine, and it is a value, not a subclass.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from runner.errors import GenerationError
+from runner.runtime.graphs import DecodeGraph, GreedyChainGraph, PrefillGraphs
+from runner.runtime.options import RuntimeOptions
+from runner.runtime.program import Method, Program
+
+
+class Engine(Protocol):
+    device: str
+    max_seq_len: int
+    max_audio_chunks: int
+    encoder_dtype: torch.dtype
+
+    def preprocess(self, wave: torch.Tensor) -> torch.Tensor: ...  # [k*480000] f32 -> mel [k, n_mels, 3000] f32
+    def encode(self, mel: torch.Tensor) -> torch.Tensor: ...  # mel (encoder dtype) -> audio embeddings / cross K/V
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [1, S] int64 -> [1, S, H]
+    def decode(self, embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # -> logits [1, V] f32
+    def reset(self) -> None: ...
+    def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor: ...  # [1,1] -> logits [1, V]
+    def run_prefill(self, compute, inputs: list[torch.Tensor]): ...  # compute(engine, *inputs), maybe graphed
+
+    # Optional: `decode_greedy(token, pos, n)` -> the next n greedy tokens [1, n] on the device, and
+    # `greedy_chain` (the n it runs fastest, as one launch). Without them, greedy_steps() below.
+
+
+class CrossAttended:
+    """The audio_encoder's output kept for a cross-attending decoder. `static` (for CUDA graphs, which read one
+    fixed tensor) is copied into; otherwise the latest output is held."""
+
+    def __init__(self, static: torch.Tensor | None = None):
+        self.static, self.value = static, static
+
+    def keep(self, out: torch.Tensor) -> torch.Tensor:
+        if self.static is None:
+            self.value = out
+        else:
+            self.static.copy_(out)
+        return out
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        if self.value is None:
+            raise GenerationError("text_decoder called before audio_encoder: no cross-attention K/V yet")
+        return (self.value,)
+
+
+def extra_inputs(cross: CrossAttended | None) -> tuple[torch.Tensor, ...]:
+    """text_decoder inputs after (embeds, cache_position)."""
+    return cross.inputs() if cross is not None else ()
+
+
+class ProgramEngine:
+    """A loaded Program as an Engine. On CUDA (unless options.cuda_graph is off) the decode step is a CUDA graph,
+    greedy decoding replays chains of steps, and repeated prefill shapes replay one graph each."""
+
+    def __init__(self, program: Program, options: RuntimeOptions | None = None, cross_attention: bool = False):
+        options = options or RuntimeOptions()
+        m, model = program.methods, program.manifest.model
+        self.program, self.device, self.options = program, program.device, options
+        self.max_seq_len, self.max_audio_chunks = model["max_seq_len"], model["max_audio_chunks"]
+        self.encoder_dtype = m["audio_encoder"].input_dtype(0)  # what the encoder declares, e.g. bf16 on CUDA
+        self._pre, self._enc, self._emb, self._dec = (
+            m[k] for k in ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
+        )
+        _check_mel_bins(program, self._pre, self._enc)
+        # the decoder exported for one token (older bundles have only text_decoder, which decodes too)
+        self._step = m.get("text_decoder_step")
+        self.use_cuda_graph = options.cuda_graph and self.device == "cuda"
+        self.cross: CrossAttended | None = None
+        if cross_attention:  # graph replays read a static tensor: encode() copies each window's K/V into it
+            kv = self._enc.spec.outputs[0]
+            shape, dtype = kv.shape, getattr(torch, kv.dtype)
+            self.cross = CrossAttended(
+                torch.zeros(shape, dtype=dtype, device=self.device) if self.use_cuda_graph else None
+            )
+        self.graph: DecodeGraph | None = None
+        self.chain: GreedyChainGraph | None = None
+        # the bundle's decode kernels wait before reading (manifest `pdl`): their graph edges may be programmatic
+        self.pdl = bool(model.get("pdl")) and self.use_cuda_graph and options.pdl
+        # a cross-attended prefill is not captured: its graph was never measured or tested
+        self.prefill_graphs = PrefillGraphs(self.device) if self.use_cuda_graph and not cross_attention else None
+        self._capturable = False  # a view that runs every method on the current stream (see capturable())
+
+    def capturable(self) -> ProgramEngine:
+        """This engine with every method run on the caller's current stream through `...RunSingleThreaded`, the
+        entry point that can be captured into a CUDA graph (`...Run` uses the handle's own stream)."""
+        view = object.__new__(ProgramEngine)
+        view.__dict__.update(self.__dict__, _capturable=True)
+        return view
+
+    def _run(self, method: Method, *inputs: torch.Tensor) -> torch.Tensor:
+        if self._capturable:
+            return method.backend.execute(method.handle, list(inputs), graph_safe=True)[0]
+        return method(*inputs)[0]
+
+    def preprocess(self, wave):
+        return self._run(self._pre, wave)
+
+    def encode(self, mel):
+        out = self._run(self._enc, mel)
+        return self.cross.keep(out) if self.cross is not None else out
+
+    def embed(self, ids):
+        return self._run(self._emb, ids)
+
+    def decode(self, embeds, pos):
+        return self._run(self._dec, embeds, pos, *extra_inputs(self.cross))
+
+    def run_prefill(self, compute, inputs):
+        if self.prefill_graphs is None:
+            return compute(self, *inputs)
+        return self.prefill_graphs.run(
+            lambda *xs: compute(self, *xs), inputs, lambda *xs: compute(self.capturable(), *xs)
+        )
+
+    def reset(self):
+        # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
+        if self.use_cuda_graph and self.graph is None:
+            self.graph = DecodeGraph(self._graph_step, self.device, overlap=self.pdl)
+            steps = self.options.greedy_chain
+            if 1 < steps <= self.max_seq_len:
+                self.chain = GreedyChainGraph(self._graph_step, steps, self.device, overlap=self.pdl)
+        if self.chain is not None:
+            self.chain.restart()
+        self.program.reset_state()
+
+    @property
+    def greedy_chain(self) -> int:
+        return self.chain.steps if self.chain is not None else 1
+
+    def decode_greedy(self, token: torch.Tensor, pos: int, n: int) -> torch.Tensor:
+        if self.chain is not None and n == self.chain.steps:
+            return self.chain.run(token, pos)
+        return greedy_steps(self, token, pos, n)
+
+    def _graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """token_embedding + the decoder at one position, capturably: what a decode graph records."""
+        emb, dec = self._emb, self._step or self._dec
+        embeds = emb.backend.execute(emb.handle, [token], graph_safe=True)[0]
+        return dec.backend.execute(dec.handle, [embeds, pos, *extra_inputs(self.cross)], graph_safe=True)[0]
+
+    def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.graph is not None:
+            return self.graph.step(token, pos)
+        step = self._step and (lambda embeds, pos: self._step(embeds, pos, *extra_inputs(self.cross))[0])
+        return decode_token(self, token, pos, step)
+
+
+def _check_mel_bins(program: Program, pre: Method, enc: Method) -> None:
+    """The mel bins come from the bundle: preprocessor output, encoder input and manifest (if it says) agree."""
+    n_mels = program.manifest.model.get("n_mels", pre.spec.outputs[0].shape[1])
+    if not (n_mels == enc.spec.inputs[0].shape[1] == pre.spec.outputs[0].shape[1]):
+        raise GenerationError(
+            f"{program.bundle_dir}: mel bins disagree (manifest {n_mels}, preprocessor "
+            f"{pre.spec.outputs[0].shape[1]}, audio_encoder {enc.spec.inputs[0].shape[1]})"
+        )
+
+
+def decode_token(e: Engine, token: torch.Tensor, pos: int, decode=None) -> torch.Tensor:
+    """One decode step: token [1, 1] -> logits [1, V], through `decode` (default: the engine's decoder). The
+    position is filled on the device (torch.full), not copied from the host: a host copy would wait for the step
+    queued before it."""
+    return (decode or e.decode)(e.embed(token.view(1, 1)), torch.full((1,), pos, dtype=torch.int64, device=e.device))
+
+
+def greedy_steps(e: Engine, token: torch.Tensor, pos: int, n: int) -> torch.Tensor:
+    """n greedy decode steps from token [1, 1] at pos, queued on the device with no host sync -> tokens [1, n]."""
+    out = []
+    for i in range(n):
+        token = e.decode_token(token, pos + i).argmax(dim=-1, keepdim=True)
+        out.append(token)
+    return out[0] if n == 1 else torch.cat(out, dim=1)
+
+
+def to_encoder_dtype(mel: torch.Tensor, want: torch.dtype) -> torch.Tensor:
+    """The seed's convert_to_bfloat16, generalised: features come out of the preprocessor as float32 and
+    the encoder may declare a narrower float; anything else is a clear error, not a silent reinterpretation."""
+    if mel.dtype == want:
+        return mel
+    if mel.dtype == torch.float32 and want in (torch.bfloat16, torch.float16):
+        return mel.to(want)
+    raise GenerationError(f"audio_encoder expects {want}, the features are {mel.dtype}: unsupported dtype conversion")

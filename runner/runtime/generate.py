@@ -1,0 +1,371 @@
+"""The generation loop: prompt segments -> prefill -> decode, over any Engine (the exported program, or the eager
+model for `--reference eager`), so both sides run exactly the same loop.
+
+A prompt is one decoder context (reset, prefill, decode until a stop). A family may cut long audio into several
+prompts, its windows (Whisper: one per 30 s); `generate_windows` runs them in order and joins their results.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from runner.audio import SAMPLE_RATE, pad_to_chunks
+from runner.errors import GenerationError
+from runner.runtime.detokenize import StreamDecoder, Tokenizer
+from runner.runtime.engine import Engine, greedy_steps, to_encoder_dtype
+from runner.stats import Stats, now_ms
+
+# ---------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class TextSegment:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AudioSegment:
+    samples: np.ndarray  # float32 mono 16 kHz
+
+
+Segment = TextSegment | AudioSegment
+Prompt = list[Segment]  # one decoder context
+
+
+def stage(segments: list[Segment], device: str, audio_chunks: int) -> list[torch.Tensor]:
+    """Each segment's input on the device (ids [1, S] int64, or the waveform padded to whole 30 s chunks, at
+    most `audio_chunks`), all copied before any compute is queued: a copy from pageable host memory synchronises
+    the stream, so one made after the audio encoder is queued would wait for it."""
+    return [
+        torch.tensor([s.ids], dtype=torch.int64).to(device)
+        if isinstance(s, TextSegment)
+        else torch.from_numpy(pad_to_chunks(s.samples, audio_chunks)).to(device)
+        for s in segments
+    ]
+
+
+# ---------------------------------------------------------------- options and results
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0  # ignore EOS until this many tokens (benchmarks force a fixed length)
+    record_logits: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise GenerationError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+        if self.min_new_tokens < 0:
+            raise GenerationError(f"--min-new-tokens {self.min_new_tokens}: must be >= 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise GenerationError("--temperature must be >= 0 and --top-p in (0, 1]")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    stop_reason: str  # "eos" | "max_new_tokens" | "context"
+    stats: Stats
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per generated token, when recorded
+    windows: tuple[int, ...] = ()  # tokens generated in each prompt window, in order (their sum: len(tokens))
+
+    def window_tokens(self) -> list[list[int]]:
+        """`tokens` cut back into windows: what teacher forcing replays, window by window."""
+        out, start = [], 0
+        for n in self.windows or (len(self.tokens),):
+            out.append(list(self.tokens[start : start + n]))
+            start += n
+        return out
+
+
+class Sampler:
+    """Greedy at temperature 0; otherwise temperature + top-p from a seeded generator."""
+
+    def __init__(self, opts: GenerationOptions, device: str):
+        self.temperature, self.top_p = opts.temperature, opts.top_p
+        self.generator = None
+        if opts.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little"))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:  # logits [1, V] -> token [1, 1]
+        if self.generator is None:
+            return logits.argmax(dim=-1, keepdim=True)
+        probs = torch.softmax(logits / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # always keeps the most likely token
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p * keep)
+        return torch.multinomial(probs, 1, generator=self.generator)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+def prefill_compute(e: Engine, segments: list[Segment], inputs) -> tuple[torch.Tensor, list[int]]:
+    """The device work of prefill (no host sync: it may be captured); returns the last logits and the decoder
+    positions each segment took. Audio is encoded in place; a cross-attending engine keeps it and it takes no
+    positions. One decoder call over the whole prompt, not one per segment: each call streams all the decoder's
+    weights, so a 3-segment prompt prefilled piecewise costs two extra weight passes."""
+    parts, lengths, n = [], [], 0
+    for seg, x in zip(segments, inputs):
+        if isinstance(seg, TextSegment):
+            check_fits(e, n, len(seg.ids))  # before embedding: the method refuses long ids
+            parts.append(e.embed(x))
+        else:
+            audio = e.encode(to_encoder_dtype(e.preprocess(x), e.encoder_dtype))
+            if getattr(e, "cross", None) is not None:
+                lengths.append(0)
+                continue
+            parts.append(audio)
+            check_fits(e, n, audio.shape[1])
+        lengths.append(parts[-1].shape[1])
+        n += lengths[-1]
+    if not parts:
+        raise GenerationError("the prompt has no text for the decoder after its audio")
+    embeds = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return e.decode(embeds, torch.arange(0, n, device=e.device)), lengths
+
+
+def check_fits(e: Engine, pos: int, n: int) -> None:
+    if pos + n > e.max_seq_len:
+        raise GenerationError(
+            f"the prompt needs at least {pos + n} positions, the bundle's context is "
+            f"{e.max_seq_len} (--max-seq-len at export)"
+        )
+
+
+# ---------------------------------------------------------------- the runner
+
+# One lock per KV cache. The cache is the program's state, shared by every runner over it: two generate() calls
+# at once would interleave their prefill and decode steps in it. A second caller gets a clear error, not a mix.
+_STATE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATE_LOCKS_GUARD = threading.Lock()
+
+
+def _state_lock(engine: Engine) -> threading.Lock:
+    owner = getattr(engine, "program", engine)  # two ProgramEngines over one Program share its cache
+    with _STATE_LOCKS_GUARD:
+        try:
+            return _STATE_LOCKS.setdefault(owner, threading.Lock())
+        except TypeError:  # not hashable or not weakly referenceable: a lock for this runner alone
+            return threading.Lock()
+
+
+class MultimodalRunner:
+    """generate() over an Engine and a tokenizer. `audio_id` is the id prompt_ids show at each audio position
+    (as HF's input_ids); None for a family whose audio is cross-attended."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, audio_id: int | None):
+        self.engine, self.tok, self.audio_id = engine, tokenizer, audio_id
+        self._busy = _state_lock(engine)
+
+    def prefill(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
+        """Every segment in order, as one decoder call; returns the last logits and the prompt ids (with the
+        audio id at every audio position). The engine may run it all as one CUDA graph."""
+        if not segments:
+            raise GenerationError("empty prompt: nothing to prefill")
+        e = self.engine
+        inputs = stage(segments, e.device, e.max_audio_chunks)
+        logits, lengths = e.run_prefill(lambda eng, *xs: prefill_compute(eng, segments, xs), inputs)
+        prompt_ids: list[int] = []
+        for seg, n in zip(segments, lengths):
+            prompt_ids += list(seg.ids) if isinstance(seg, TextSegment) else [self.audio_id] * n
+        return logits, prompt_ids
+
+    def generate(
+        self,
+        segments: list[Segment],
+        opts: GenerationOptions,
+        on_text: Callable[[str], None] | None = None,
+        stats: Stats | None = None,
+        forced: list[int] | None = None,
+    ) -> GenerationResult:
+        """One prompt from an empty KV cache. `forced` feeds the given tokens instead of sampling (teacher forcing,
+        for the eager comparison). Raises GenerationError if another generate() is running on the same program."""
+        return self.generate_windows([segments], opts, on_text, stats, None if forced is None else [forced])
+
+    def generate_windows(
+        self,
+        windows: list[list[Segment]],
+        opts: GenerationOptions,
+        on_text: Callable[[str], None] | None = None,
+        stats: Stats | None = None,
+        forced: list[list[int]] | None = None,
+    ) -> GenerationResult:
+        """Each window as its own prompt, in order; one result with the text and tokens joined, the stats
+        summed (the first token's time is the first window's) and `windows` giving each one's token count."""
+        if not windows:
+            raise GenerationError("empty prompt: nothing to prefill")
+        if forced is not None and len(forced) != len(windows):
+            raise GenerationError(f"{len(forced)} forced token lists for {len(windows)} prompt windows")
+        if not self._busy.acquire(blocking=False):
+            raise GenerationError(
+                "runner is busy: another generate() is running on this program (its KV cache is shared state); "
+                "use one program and runner per thread"
+            )
+        try:
+            stats = stats or Stats()
+            results = []
+            for i, window in enumerate(windows):
+                s = stats if i == 0 else Stats()
+                results.append(self._generate(window, opts, on_text, s, None if forced is None else forced[i]))
+                if i:
+                    _merge_stats(stats, s)
+        finally:
+            self._busy.release()
+        if len(results) == 1:
+            return replace(results[0], windows=(len(results[0].tokens),))
+        stats.finish_memory(self.engine.device)
+        reasons = [r.stop_reason for r in results if r.stop_reason != "eos"]
+        return GenerationResult(
+            text="".join(r.text for r in results),
+            prompt_ids=[i for r in results for i in r.prompt_ids],
+            tokens=[t for r in results for t in r.tokens],
+            stop_reason=reasons[-1] if reasons else "eos",
+            stats=stats,
+            logits=[x for r in results for x in r.logits],
+            windows=tuple(len(r.tokens) for r in results),
+        )
+
+    def _generate(self, segments, opts: GenerationOptions, on_text, stats: Stats, forced) -> GenerationResult:
+        e = self.engine
+        stats.audio_seconds = sum(len(s.samples) for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
+        sampler, stream = Sampler(opts, e.device), StreamDecoder(self.tok)
+        tokens: list[int] = []
+        recorded: list[torch.Tensor] = []
+        e.reset()  # every input starts from an empty KV cache
+        stats.inference_start_ms = now_ms()
+        try:
+            logits, prompt_ids = self.prefill(segments)
+            stats.prompt_eval_end_ms = now_ms()
+            stats.prompt_tokens = len(prompt_ids)
+            stop = "max_new_tokens"
+            limit = opts.max_new_tokens if forced is None else min(opts.max_new_tokens, len(forced))
+            pick = _Picker(sampler, forced, opts.record_logits, e.device, stats)
+            greedy = forced is None and sampler.generator is None and not opts.record_logits
+            advance = greedy_advance(e) if greedy else lambda token, pos, n, room: pick(e.decode_token(token, pos), n)
+            for tok_id, chosen_from in token_stream(e, lambda: pick(logits, 0), len(prompt_ids), limit, advance):
+                if not tokens:
+                    stats.first_token_ms = now_ms()
+                tokens.append(tok_id)
+                if chosen_from is not None:
+                    recorded.append(chosen_from)
+                if tok_id == self.tok.eos_id and len(tokens) > opts.min_new_tokens and forced is None:
+                    stop = "eos"
+                    break
+                if on_text and tok_id < self.tok.vocab_size:
+                    on_text(stream.feed(tok_id))
+            else:
+                if len(tokens) < limit:
+                    stop = "context"
+        finally:
+            e.reset()
+        if on_text:
+            on_text(stream.flush())
+        stats.inference_end_ms = now_ms()
+        stats.generated_tokens = len(tokens)
+        stats.finish_memory(e.device)
+        text = self.tok.decode([t for t in tokens if t < self.tok.vocab_size and t != self.tok.eos_id])
+        return GenerationResult(text, prompt_ids, tokens, stop, stats, recorded)
+
+
+class _Picker:
+    """The n-th token [1, 1] on the device from its logits (sampled, or forced), and the logits if recorded
+    (copied now: a graph's logits buffer is overwritten by the next step)."""
+
+    def __init__(self, sampler: Sampler, forced: list[int] | None, record: bool, device: str, stats: Stats):
+        self.sampler, self.forced, self.record, self.device, self.stats = sampler, forced, record, device, stats
+
+    def __call__(self, logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t0 = now_ms()
+        if self.forced is None:
+            token = self.sampler(logits)
+        else:
+            token = torch.full((1, 1), self.forced[n], dtype=torch.int64, device=self.device)
+        kept = logits.to(torch.float32, copy=True) if self.record else None
+        self.stats.aggregate_sampling_time_ms += now_ms() - t0
+        return token, kept
+
+
+def greedy_advance(e: Engine):
+    """token_stream's advance for greedy decoding with nothing recorded: in chains. The engine's `decode_greedy`
+    queues k steps at once (one CUDA-graph replay for a whole chain) and the host reads a chain's tokens with one
+    copy. A tail shorter than a chain (the token limit, the context's end) runs step by step."""
+    decode_greedy = getattr(e, "decode_greedy", None) or (lambda t, p, k: greedy_steps(e, t, p, k))
+    chain = getattr(e, "greedy_chain", 1)
+
+    def advance(token: torch.Tensor, pos: int, n: int, room: int):
+        return decode_greedy(token, pos, chain if room >= chain else 1), None  # the argmax is the step's own
+
+    return advance
+
+
+def token_stream(e: Engine, first, pos: int, limit: int, advance) -> Iterator[tuple[int, torch.Tensor | None]]:
+    """Yields (token id, the logits it was chosen from or None). first() gives the first token (from the
+    prefill's logits); advance(token, pos, n, room) queues the steps after `token` at `pos` and gives their
+    tokens [1, k], k <= room, with n tokens chosen so far. After the first token, the next steps are queued on
+    the device before the host waits for these, so the host's per-step work (reading ids, streaming text)
+    overlaps the GPU's and the GPU does not idle between steps. Launches stop at `limit` tokens or the end of the
+    context; a consumer that stops at EOS leaves queued steps behind, which the reset() after it follows on the
+    same stream."""
+    queue, n, ahead = deque(), 0, 0  # ahead 0 for the first token: it is the TTFT
+
+    def launch(tokens: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        nonlocal n
+        queue.append((tokens.to("cpu", non_blocking=True), kept, _recorded_event(e.device)))
+        n += tokens.shape[1]
+        return tokens[:, -1:]
+
+    if limit < 1:
+        return
+    token = launch(*first())
+    while True:
+        while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
+            tokens, kept = advance(token, pos, n, min(limit - n, e.max_seq_len - pos))
+            token = launch(tokens, kept)
+            pos += tokens.shape[1]
+        if not queue:
+            return
+        host, kept, done = queue.popleft()
+        done.synchronize()
+        ahead = 1
+        kept = kept.cpu() if kept is not None else None
+        for tok_id in host.view(-1).tolist():
+            yield int(tok_id), kept
+
+
+class _Done:
+    def synchronize(self) -> None:  # CPU work is done when it returns
+        pass
+
+
+def _recorded_event(device: str):
+    """An event recorded on the current stream (CUDA), to wait for exactly the work queued so far."""
+    if torch.device(device).type != "cuda":
+        return _Done()
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _merge_stats(total: Stats, s: Stats) -> None:
+    total.prompt_tokens += s.prompt_tokens
+    total.generated_tokens += s.generated_tokens
+    total.aggregate_sampling_time_ms += s.aggregate_sampling_time_ms
+    total.audio_seconds += s.audio_seconds
+    total.inference_end_ms = s.inference_end_ms

@@ -1,0 +1,165 @@
+"""CUDA graphs: one warm-up-then-capture helper, and the three graphs built on it (the decode step, a greedy
+chain of decode steps, the prefill per input shape). Each takes callables and a device, not an engine: what
+runs inside is the caller's business (runner/runtime/engine.py passes capturable method calls)."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runner.errors import DelegateError
+from runner.runtime import pdl
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (token [1, 1], position [1]) -> logits [1, V]
+
+
+class CaptureError(RuntimeError):
+    """The capture failed; the warm-up before it ran, and `warm` is what it returned."""
+
+    def __init__(self, message: str, warm: Any):
+        super().__init__(message)
+        self.warm = warm
+
+
+@dataclass
+class Captured:
+    graph: torch.cuda.CUDAGraph
+    out: Any  # what run() returned during the capture: static tensors a replay rewrites
+    warm: Any  # what run() returned during the warm-up, which really ran (a capture executes nothing)
+
+
+def capture_graph(run: Callable[[], Any], device: str, overlap: bool = False) -> Captured:
+    """run() once on a side stream (lazy init, workspace allocation: not capturable), then captured. With
+    `overlap`, the decode kernels' edges are made programmatic before the graph is instantiated (runner/runtime/pdl.py:
+    each starts while the kernel before it finishes); where that fails, the graph is captured plainly. A plain
+    capture that fails raises CaptureError."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        warm = run()
+    torch.cuda.current_stream().wait_stream(side)
+    if overlap:
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph):
+                out = run()
+            n = pdl.programmatic_edges(graph.raw_cuda_graph())
+            graph.instantiate()
+            log.info("graph: %d kernel launches overlap the kernel before them (PDL)", n)
+            return Captured(graph, out, warm)
+        except (TypeError, AttributeError, OSError, RuntimeError) as e:  # old torch or driver: no PDL
+            log.warning("graph captured without programmatic dependent launch: %s", e)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = run()
+    except (RuntimeError, DelegateError) as e:
+        raise CaptureError(str(e), warm) from e
+    return Captured(graph, out, warm)
+
+
+class DecodeGraph:
+    """One decode step as a CUDA graph. Static input tensors (token, position) are rewritten before each replay;
+    the KV cache is the program's own buffer, mutated in place, so replays see every earlier step."""
+
+    def __init__(self, step: Step, device: str, overlap: bool = False):
+        self.token = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)
+        c = capture_graph(lambda: step(self.token, self.pos), device, overlap)
+        self.graph, self.logits = c.graph, c.out
+
+    def step(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        self.token.copy_(token.view(1, 1))
+        self.pos.fill_(pos)
+        self.graph.replay()
+        return self.logits  # static: read it before the next step
+
+
+class GreedyChainGraph:
+    """`steps` greedy decode steps as one CUDA graph: step k embeds the argmax of step k - 1 and runs at the next
+    position, both advanced on the device. The last token and the position after it stay in the graph's inputs,
+    so a chain that continues the previous one needs nothing written before its replay. Up to 2 * steps - 1
+    steps may run past an EOS (two chains are kept queued); they only write cache positions the next reset
+    wipes."""
+
+    def __init__(self, step: Step, steps: int, device: str, overlap: bool = False):
+        i64 = torch.int64
+        self.steps = steps
+        self.token = torch.zeros(1, 1, dtype=i64, device=device)  # the input token, then the last one chosen
+        self.pos = torch.zeros(1, dtype=i64, device=device)  # the next step's position
+        self.out = torch.zeros(1, steps, dtype=i64, device=device)
+        self.next_pos = -1  # host copy of self.pos after the last replay (-1: unknown)
+        chosen = [torch.zeros(1, 1, dtype=i64, device=device) for _ in range(steps)]
+
+        def run() -> torch.Tensor:
+            token = self.token
+            for t in chosen:
+                torch.argmax(step(token, self.pos), dim=-1, keepdim=True, out=t)
+                self.pos.add_(1)
+                token = t
+            torch.cat(chosen, dim=1, out=self.out)
+            self.token.copy_(chosen[-1])
+            return self.out
+
+        self.graph = capture_graph(run, device, overlap).graph
+
+    def restart(self) -> None:
+        """A new input: the next chain starts from the token it is given."""
+        self.next_pos = -1
+
+    def run(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """The next `steps` greedy tokens after token [1, 1] at pos -> [1, steps], valid until the next run."""
+        if pos != self.next_pos or token.data_ptr() != self.out[:, -1:].data_ptr():  # not where the last chain ended
+            self.token.copy_(token.view(1, 1))
+            self.pos.fill_(pos)
+        self.graph.replay()
+        self.next_pos = pos + self.steps
+        return self.out
+
+
+class PrefillGraphs:
+    """A whole prefill (every method it calls) as one CUDA graph per shape of its inputs. Run method by method,
+    the host launches each of its ~800 kernels (3B) and the GPU waits on those launches. A transcription prompt's
+    shape depends only on the audio's chunk count and the language, so a batch of files repeats one shape. A
+    shape is captured the second time it is seen (its run is the warm-up) and replayed from the third; a shape
+    seen once never pays for a capture. The `capacity` most recent graphs are kept: each holds the memory of its
+    prefill's activations."""
+
+    def __init__(self, device: str, capacity: int = 4):
+        self.device, self.capacity = device, capacity
+        self.seen: set[tuple] = set()
+        self.disabled = False
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any]] = OrderedDict()
+
+    def run(self, compute: Callable[..., Any], inputs: list[torch.Tensor], capturable: Callable[..., Any]) -> Any:
+        """compute(*inputs), or its graph's replay. `capturable` computes the same on the current stream (what a
+        capture records); it runs for the warm-up and the capture."""
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key in self.graphs:
+            graph, static, out = self.graphs[key]
+            self.graphs.move_to_end(key)
+            for s, x in zip(static, inputs):
+                s.copy_(x)
+            graph.replay()
+            return out
+        if self.disabled or key not in self.seen:
+            self.seen.add(key)
+            return compute(*inputs)
+        static = [x.clone() for x in inputs]
+        try:
+            c = capture_graph(lambda: capturable(*static), self.device)
+        except CaptureError as e:  # not capturable: the prefill still works, uncaptured
+            log.warning("prefill not captured as a CUDA graph (%s); running it method by method", e)
+            self.disabled = True
+            return e.warm
+        self.graphs[key] = (c.graph, static, c.out)
+        while len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+        return c.warm

@@ -26,9 +26,9 @@ import triton
 from profile_decode import graph_ms
 
 from runner.export import kernels as K
-from runner.export.config import TextConfig
+from runner.models.voxtral_config import TextConfig
 from runner.export.decode_step import DecodeStep
-from runner.export.model import KVCache, LanguageModel, TextDecoder, apply_rope, rope
+from runner.models.voxtral import KVCache, LanguageModel, TextDecoder, apply_rope, rope
 
 DEV, BF16 = "cuda", torch.bfloat16
 

@@ -32,9 +32,9 @@ from runner.multimodal import (
     to_encoder_dtype,
     transcription_prompt,
 )
-from runner.program import Program
+from runner.runtime.program import Program
 from runner.stats import Stats
-from runner.tokenizer import Tekken
+from runner.families.voxtral.tokenizer import Tekken
 
 AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio" / "speech.wav"
 

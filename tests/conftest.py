@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.app.options import Environment
 from runner.export.checkpoint import load_checkpoint, write_tiny_checkpoint
-from runner.export.exporter import ExportOptions, default_cache_dir, export_bundle
+from runner.export.pipeline import ExportOptions
+from runner.export.voxtral import export_voxtral
+from runner.families import family_for
+from runner.runtime.engine import ProgramEngine
+from runner.runtime.generate import MultimodalRunner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 AUDIO = FIXTURES / "audio"
+# The compile cache the CLI would use ($VOXTRAL_RUNNER_CACHE, else ~/.cache/voxtral-runner): a warm run
+# re-exports in seconds, and the tests' bundles and the e2e job's share compiled .so files.
+CACHE = Environment.read().cache_dir
 
 # A config no preset uses (other widths, head counts, KV heads, layers, rope theta, one audio chunk): a
 # bundle from it proves nothing is hard-coded to the presets.
@@ -36,13 +44,13 @@ OTHER_HF_CONFIG = {
 
 def export_cached(checkpoint: Path, out: Path, **opts) -> Path:
     model, source, tekken = load_checkpoint(checkpoint)
-    export_bundle(model, source, tekken, out, ExportOptions(**opts))
+    export_voxtral(model, source, tekken, out, ExportOptions(**{"cache_dir": CACHE, **opts}))
     return out
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> Path:
-    return write_tiny_checkpoint(default_cache_dir() / "checkpoints" / "voxtral-tiny")
+    return write_tiny_checkpoint(CACHE / "checkpoints" / "voxtral-tiny")
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +79,17 @@ def other_bundle(other_checkpoint, tmp_path_factory) -> Path:
     return export_cached(
         other_checkpoint, tmp_path_factory.mktemp("bundles") / "other", max_audio_chunks=1, max_seq_len=512
     )
+
+
+def runner_for(program, options=None) -> MultimodalRunner:
+    """The runner `run` builds for a loaded program: its family's tokenizer and audio id over a ProgramEngine."""
+    family = family_for(program.bundle_dir, program.manifest.model)
+    engine = ProgramEngine(program, options, cross_attention=family.cross_attention)
+    return MultimodalRunner(engine, family.tokenizer, family.audio_id)
+
+
+def prompt_for(runner: MultimodalRunner, path, prompt=None, language=None) -> list:
+    """The one prompt `run` builds for a Voxtral audio file (a family's first window)."""
+    program = runner.engine.program
+    family = family_for(program.bundle_dir, program.manifest.model)
+    return family.prompts(path, prompt, language, runner.engine.max_audio_chunks)[0]

@@ -161,5 +161,10 @@ def export_voxtral(
         "special_tokens": special,
         "pdl": decode_kernels_wait(opts.device, opts.pdl),
     }
-    key = {"sources": source_digest(SOURCE_FILES), "pdl": meta["pdl"]}
-    return build_bundle(model, plan_methods(model, opts), source, tekken_path, meta, out, opts, progress, key)
+    plans = plan_methods(model, opts)
+    return build_bundle(model, plans, source, tekken_path, meta, out, opts, progress, family_key(opts))
+
+
+def family_key(opts: ExportOptions) -> dict:
+    """What Voxtral's compiled methods depend on beyond the pipeline: its sources and whether the kernels wait."""
+    return {"sources": source_digest(SOURCE_FILES), "pdl": decode_kernels_wait(opts.device, opts.pdl)}

@@ -37,4 +37,4 @@ def family_for(bundle_dir: str | os.PathLike, model: dict) -> Family:
     family = FAMILIES.get(name)
     if family is None:
         raise BundleError(f"{bundle_dir}: model family {name!r} is not one this runner knows")
-    return family(Path(bundle_dir), model)
+    return family.from_bundle(Path(bundle_dir), model)

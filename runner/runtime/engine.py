@@ -128,10 +128,10 @@ class ProgramEngine:
     def reset(self):
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
-            self.graph = DecodeGraph(self._graph_step, self.device, overlap=self.pdl)
+            self.graph = DecodeGraph(self.graph_step, self.device, overlap=self.pdl)
             steps = self.options.greedy_chain
             if 1 < steps <= self.max_seq_len:
-                self.chain = GreedyChainGraph(self._graph_step, steps, self.device, overlap=self.pdl)
+                self.chain = GreedyChainGraph(self.graph_step, steps, self.device, overlap=self.pdl)
         if self.chain is not None:
             self.chain.restart()
         self.program.reset_state()
@@ -145,7 +145,7 @@ class ProgramEngine:
             return self.chain.run(token, pos)
         return greedy_steps(self, token, pos, n)
 
-    def _graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """token_embedding + the decoder at one position, capturably: what a decode graph records."""
         emb, dec = self._emb, self._step or self._dec
         embeds = emb.backend.execute(emb.handle, [token], graph_safe=True)[0]

@@ -55,9 +55,12 @@ def chat_prompt(tok: Tekken, audio: np.ndarray, prompt: str) -> Prompt:
 class VoxtralFamily:
     cross_attention = False
 
-    def __init__(self, bundle_dir: Path, model: dict):
-        self.tokenizer = Tekken.from_file(Path(bundle_dir) / model["tokenizer"])
-        self.audio_id = self.tokenizer.special_id(AUDIO_TOKEN)
+    def __init__(self, tokenizer: Tekken):
+        self.tokenizer, self.audio_id = tokenizer, tokenizer.special_id(AUDIO_TOKEN)
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: Path, model: dict) -> VoxtralFamily:
+        return cls(Tekken.from_file(Path(bundle_dir) / model["tokenizer"]))
 
     def prompts(
         self, audio_path: str | os.PathLike, prompt: str | None, language: str | None, max_audio_chunks: int

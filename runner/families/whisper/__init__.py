@@ -51,11 +51,15 @@ def windows(samples, ids: tuple[int, ...]) -> list[Prompt]:
 
 class WhisperFamily:
     cross_attention = True
+    audio_id = None  # cross-attended: the audio takes no decoder positions
 
-    def __init__(self, bundle_dir: Path, model: dict):
-        self.tokenizer = WhisperTokenizer(Path(bundle_dir) / model["tokenizer"], model["config"]["text"]["vocab_size"])
-        self.multilingual = bool(model.get("multilingual", False))
-        self.audio_id = None  # cross-attended: the audio takes no decoder positions
+    def __init__(self, tokenizer: WhisperTokenizer, multilingual: bool = False):
+        self.tokenizer, self.multilingual = tokenizer, multilingual
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: Path, model: dict) -> WhisperFamily:
+        vocab = model["config"]["text"]["vocab_size"]
+        return cls(WhisperTokenizer(Path(bundle_dir) / model["tokenizer"], vocab), bool(model.get("multilingual")))
 
     def prompts(
         self, audio_path: str | os.PathLike, prompt: str | None, language: str | None, max_audio_chunks: int

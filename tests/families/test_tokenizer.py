@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from runner.errors import TokenizerError
-from runner.tokenizer import StreamDecoder, Tekken
+from runner.families.voxtral.tokenizer import Tekken
+from runner.runtime.detokenize import StreamDecoder
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TEKKEN = FIXTURES / "tekken.json"
 
 # Ranks in the real Voxtral-Mini-3B-2507 tekken.json (and so in the fixture).

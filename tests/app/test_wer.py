@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runner import wer
+from runner.app import wer
 from runner.errors import RunnerError
 
 

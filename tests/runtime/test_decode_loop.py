@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from runner.errors import GenerationError
-from runner.multimodal import GenerationOptions, MultimodalRunner, TextSegment, greedy_steps
-from runner.tokenizer import Tekken
+from runner.families.voxtral.tokenizer import Tekken
+from runner.runtime.engine import greedy_steps
+from runner.runtime.generate import GenerationOptions, MultimodalRunner, TextSegment
 
-TEKKEN = Path(__file__).resolve().parents[1] / "fixtures" / "tekken.json"
+TEKKEN = Path(__file__).resolve().parents[2] / "fixtures" / "tekken.json"
 V, EOS = 64, 2
 
 
@@ -51,7 +52,7 @@ class ScriptedEngine:
         pass
 
     def run_prefill(self, compute, inputs):
-        return compute(*inputs)
+        return compute(self, *inputs)
 
 
 def reference(prompt: list[int], opts: GenerationOptions, max_seq_len: int) -> tuple[list[int], str]:
@@ -70,7 +71,7 @@ def reference(prompt: list[int], opts: GenerationOptions, max_seq_len: int) -> t
 
 def generate(prompt, opts, max_seq_len=512, **kw):
     engine = ScriptedEngine(max_seq_len)
-    runner = MultimodalRunner(engine, Tekken.from_file(TEKKEN))
+    runner = MultimodalRunner(engine, Tekken.from_file(TEKKEN), None)
     return engine, runner.generate([TextSegment(tuple(prompt))], opts, **kw)
 
 
@@ -124,7 +125,7 @@ def test_greedy_chains_give_the_one_step_loops_tokens(first, max_new, min_new, m
     prompt = [1, first]
     opts = GenerationOptions(max_new_tokens=max_new, min_new_tokens=min_new)
     engine = ChainedEngine(max_seq_len)
-    result = MultimodalRunner(engine, Tekken.from_file(TEKKEN)).generate([TextSegment(tuple(prompt))], opts)
+    result = MultimodalRunner(engine, Tekken.from_file(TEKKEN), None).generate([TextSegment(tuple(prompt))], opts)
     want, reason = reference(prompt, opts, max_seq_len)
     assert (result.tokens, result.stop_reason) == (want, reason)
     positions = [p for _, p in engine.steps]
@@ -159,7 +160,7 @@ def test_text_streams_only_read_tokens():
 
 
 def test_empty_prompt_is_an_error():
-    runner = MultimodalRunner(ScriptedEngine(), Tekken.from_file(TEKKEN))
+    runner = MultimodalRunner(ScriptedEngine(), Tekken.from_file(TEKKEN), None)
     with pytest.raises(GenerationError, match="empty prompt"):
         runner.generate([], GenerationOptions())
 
@@ -170,13 +171,15 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_
     import numpy as np
 
     from runner.audio import SAMPLE_RATE
-    from runner.multimodal import ProgramEngine, stage, to_encoder_dtype, transcription_prompt
-    from runner.program import Program
+    from runner.families.voxtral import transcription_prompt
+    from runner.runtime.engine import ProgramEngine, to_encoder_dtype
+    from runner.runtime.generate import stage
+    from runner.runtime.program import Program
 
     with Program.load(tiny_bundle) as program:
         engine = ProgramEngine(program)
         tok = Tekken.from_file(tiny_bundle / "tekken.json")
-        runner = MultimodalRunner(engine, tok)
+        runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))
         wave = np.random.default_rng(0).standard_normal(3 * SAMPLE_RATE).astype(np.float32) * 0.1
         segments = transcription_prompt(tok, wave, "en")
 
@@ -201,11 +204,20 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "eight", ""])
-def test_a_bad_greedy_chain_setting_is_a_clear_error(monkeypatch, value):
-    from runner.multimodal import greedy_chain_steps
+def test_a_bad_greedy_chain_setting_is_a_clear_error(value):
+    """The variable is read once, by the CLI's options layer; a bad value names it. The flag's bad values too."""
+    import argparse
 
-    monkeypatch.setenv("VOXTRAL_RUNNER_GREEDY_CHAIN", value)
-    with pytest.raises(GenerationError, match="VOXTRAL_RUNNER_GREEDY_CHAIN"):
-        greedy_chain_steps()
-    monkeypatch.setenv("VOXTRAL_RUNNER_GREEDY_CHAIN", "4")
-    assert greedy_chain_steps() == 4
+    from runner.app.options import Environment, runtime_options
+    from runner.errors import RunnerError
+    from runner.runtime.options import RuntimeOptions
+
+    with pytest.raises(RunnerError, match="VOXTRAL_RUNNER_GREEDY_CHAIN"):
+        Environment.read({"VOXTRAL_RUNNER_GREEDY_CHAIN": value})
+    env = Environment.read({"VOXTRAL_RUNNER_GREEDY_CHAIN": "4"})
+    assert runtime_options(argparse.Namespace(), env).greedy_chain == 4
+    assert runtime_options(argparse.Namespace(greedy_chain=2), env).greedy_chain == 2  # the flag wins
+    with pytest.raises(RunnerError, match="--greedy-chain 0"):
+        runtime_options(argparse.Namespace(greedy_chain=0), env)
+    with pytest.raises(GenerationError, match="greedy chain"):
+        RuntimeOptions(greedy_chain=0)

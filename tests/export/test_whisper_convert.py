@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from runner.export.config import AudioConfig
 from runner.export.ct2 import ConversionError, read_ct2, write_ct2
 from runner.export.whisper_convert import EXPECTED_FLAGS, convert, verify_files
-from runner.export.whisper_model import Whisper, WhisperConfig, WhisperTextConfig
+from runner.models.voxtral_config import AudioConfig
+from runner.models.whisper import Whisper, WhisperConfig, WhisperTextConfig
 
 SMALL = WhisperConfig(
     audio=AudioConfig(n_mels=8, dim=16, n_layers=2, n_heads=2, ffn_dim=32),

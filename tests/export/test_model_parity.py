@@ -19,7 +19,7 @@ from conftest import FIXTURES, OTHER_HF_CONFIG, save_hf_checkpoint
 
 from runner.audio import TOKENS_PER_CHUNK
 from runner.export.checkpoint import load_checkpoint
-from runner.tokenizer import Tekken
+from runner.families.voxtral.tokenizer import Tekken
 
 ATOL = 5e-5  # ~10x the worst error measured here (5.6e-6, other config, eager attention); logits ~4
 CONFIGS = {

@@ -20,13 +20,15 @@ from safetensors import safe_open
 from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK, load_audio, pad_to_chunks
 from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METHOD, read_manifest, verify_bundle
 from runner.errors import DelegateError, ExportError
-from runner.export import exporter
-from runner.export.checkpoint import load_checkpoint, model_from_bundle
-from runner.export.config import VoxtralConfig
-from runner.export.exporter import ExportOptions, export_bundle
-from runner.export.mel import LogMelSpectrogram
-from runner.program import Program
-from runner.tokenizer import Tekken
+from runner.export import pipeline as exporter
+from runner.export.checkpoint import load_checkpoint
+from runner.export.pipeline import ExportOptions
+from runner.export.voxtral import export_voxtral, family_key
+from runner.families.voxtral.tokenizer import Tekken
+from runner.models.mel import LogMelSpectrogram
+from runner.models.voxtral_config import VoxtralConfig
+from runner.reference.voxtral import model_from_bundle
+from runner.runtime.program import Program
 
 # exported vs eager, fp32: the exporter's own self-check allows 1e-4 relative; the measured error is ~1e-6
 RTOL, ATOL = 1e-4, 1e-5
@@ -368,7 +370,7 @@ def test_reexport_hits_the_compile_cache(tiny_bundle, tiny_checkpoint, tmp_path)
     m = read_manifest(tiny_bundle)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     t0 = time.perf_counter()
-    report = export_bundle(model, source, tekken, tmp_path / "again", ExportOptions())
+    report = export_voxtral(model, source, tekken, tmp_path / "again", ExportOptions())
     wall = time.perf_counter() - t0
     assert report.cached == {name: True for name in (*METHOD_NAMES, STEP_METHOD)}
     assert all(s < 1.0 for s in report.compile_seconds.values()), report.compile_seconds
@@ -396,7 +398,11 @@ def test_failed_compile_leaves_no_half_bundle(tiny_bundle, tiny_checkpoint, tmp_
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     opts = ExportOptions(cache_dir=tmp_path / "cache")
     cached = (
-        tmp_path / "cache" / "compiled" / exporter.cache_key(model, source, opts, "preprocessor") / "preprocessor.so"
+        tmp_path
+        / "cache"
+        / "compiled"
+        / exporter.cache_key(model, source, opts, "preprocessor", family_key(opts))
+        / "preprocessor.so"
     )
     cached.parent.mkdir(parents=True)
     shutil.copyfile(tiny_bundle / "preprocessor.so", cached)
@@ -404,7 +410,7 @@ def test_failed_compile_leaves_no_half_bundle(tiny_bundle, tiny_checkpoint, tmp_
     monkeypatch.setattr(exporter, "save_file", lambda tensors, path, *a, **k: staged.append(Path(path).name))
     out = tmp_path / "bundles" / "tiny"
     with pytest.raises(RuntimeError, match="compiling audio_encoder"):
-        export_bundle(model, source, tekken, out, opts)
+        export_voxtral(model, source, tekken, out, opts)
     assert staged == ["preprocessor.safetensors"]  # the failure came after something was staged
     assert not out.exists()
     assert _leftovers(out.parent) == []
@@ -422,7 +428,7 @@ def test_failed_self_check_keeps_the_previous_bundle(tiny_bundle, tiny_checkpoin
     monkeypatch.setattr(exporter, "self_check", fail)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     with pytest.raises(ExportError, match="self-check says no"):
-        export_bundle(model, source, tekken, out, ExportOptions())
+        export_voxtral(model, source, tekken, out, ExportOptions())
     assert (out / MANIFEST_NAME).read_bytes() == before
     verify_bundle(out)
     assert _leftovers(tmp_path) == []
@@ -443,7 +449,7 @@ def test_self_check_mismatch_aborts_and_publishes_nothing(tiny_bundle, tiny_chec
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     out = tmp_path / "tiny"
     with pytest.raises(ExportError, match=r"audio_encoder: exported output differs from eager"):
-        export_bundle(model, source, tekken, out, ExportOptions())
+        export_voxtral(model, source, tekken, out, ExportOptions())
     assert not out.exists()
     assert _leftovers(tmp_path) == []
 
@@ -453,7 +459,7 @@ def test_zero_tolerance_fails_the_self_check(tiny_bundle, tiny_checkpoint, tmp_p
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     out = tmp_path / "tiny"
     with pytest.raises(ExportError, match="differs from eager"):
-        export_bundle(model, source, tekken, out, ExportOptions())
+        export_voxtral(model, source, tekken, out, ExportOptions())
     assert not out.exists()
     assert _leftovers(tmp_path) == []
 
@@ -463,10 +469,10 @@ def test_max_seq_len_too_small_for_the_audio_is_an_export_error(tiny_checkpoint,
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     out = tmp_path / "tiny"
     with pytest.raises(ExportError, match=r"--max-seq-len 700 .*2 audio chunks"):
-        export_bundle(model, source, tekken, out, ExportOptions(max_seq_len=700, cache_dir=tmp_path / "cache"))
+        export_voxtral(model, source, tekken, out, ExportOptions(max_seq_len=700, cache_dir=tmp_path / "cache"))
     assert not out.exists()
     with pytest.raises(ExportError, match="--max-seq-len 380"):
-        export_bundle(
+        export_voxtral(
             model, source, tekken, out, ExportOptions(max_seq_len=380, max_audio_chunks=1, cache_dir=tmp_path / "cache")
         )
     assert not out.exists() and _leftovers(tmp_path) == []
@@ -478,7 +484,7 @@ def test_refuses_to_replace_a_directory_that_is_not_a_bundle(tiny_bundle, tiny_c
     (out / "thesis.tex").write_text("years of work")
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     with pytest.raises(ExportError, match="not a bundle"):
-        export_bundle(model, source, tekken, out, ExportOptions())
+        export_voxtral(model, source, tekken, out, ExportOptions())
     assert (out / "thesis.tex").read_text() == "years of work"
     assert _leftovers(tmp_path) == []
 
@@ -491,7 +497,7 @@ def test_tokenizer_that_disagrees_with_the_config_is_an_export_error(tiny_checkp
     (ckpt / "config.json").write_text(json.dumps(cfg))
     model, source, tekken = load_checkpoint(ckpt)
     with pytest.raises(ExportError, match=r"\[AUDIO\] is id 24"):
-        export_bundle(model, source, tekken, tmp_path / "out", ExportOptions(cache_dir=tmp_path / "cache"))
+        export_voxtral(model, source, tekken, tmp_path / "out", ExportOptions(cache_dir=tmp_path / "cache"))
     assert not (tmp_path / "out").exists()
 
 

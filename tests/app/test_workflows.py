@@ -19,7 +19,7 @@ try:
 except ImportError:  # tests/ on sys.path rather than importable as a package
     from github_stub import write_fake_bundle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / ".github" / "workflows"
 FILES = {"ci": WORKFLOWS / "ci.yml", "cuda": WORKFLOWS / "cuda.yml"}
 GRAPH = ("export-artifact", "benchmark", "e2e")  # the seed's three jobs, in both workflows

@@ -21,7 +21,7 @@ from runner.audio import (
 )
 from runner.errors import AudioError, RunnerError
 
-AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 
 
 def _write_tone(path, sr=SAMPLE_RATE, seconds=1.0, **kw):
@@ -167,5 +167,5 @@ def test_pad_to_chunks_refuses_audio_longer_than_the_bundle_takes():
 def test_audio_module_imports_neither_torch_nor_the_audio_libraries():
     # torch: the runtime front end must not need it; soundfile/soxr: the export machine has only torch.
     code = "import sys, runner.audio; sys.exit(any(m in sys.modules for m in ('torch', 'soundfile', 'soxr')))"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

@@ -1,15 +1,18 @@
-"""runner/whisper.py without the model package: the tokenizer on a small byte-level tokenizer.json made here,
-the prompt, and how long audio is cut into windows and teacher-forced tokens are split back per window."""
+"""The Whisper family without the model package: the tokenizer on a small byte-level tokenizer.json made here,
+the prompt, how long audio is cut into windows, and how a result's tokens are split back per window."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from runner.audio import N_SAMPLES
 from runner.errors import GenerationError, TokenizerError
-from runner.multimodal import AudioSegment, TextSegment
-from runner.tokenizer import StreamDecoder
-from runner.whisper import WhisperTokenizer, WindowTokens, _byte_decoder, _split_forced, _windows, whisper_prompt
+from runner.families.whisper import whisper_prompt, windows
+from runner.families.whisper.tokenizer import WhisperTokenizer, _byte_decoder
+from runner.runtime.detokenize import StreamDecoder
+from runner.runtime.generate import AudioSegment, GenerationResult, TextSegment
+from runner.stats import Stats
 
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
 
@@ -63,18 +66,18 @@ def test_prompt_english_only_and_multilingual(tokenizer):
     assert whisper_prompt(tokenizer, True, "en") == (257, 258, 259, 260)
 
 
-def test_segments_are_cut_into_one_window_per_audio_segment():
-    a, b, p = AudioSegment(np.zeros(3, np.float32)), AudioSegment(np.ones(2, np.float32)), TextSegment((1, 2))
-    windows = _windows([a, p, b, p])
-    assert [[type(s).__name__ for s in w] for w in windows] == [["AudioSegment", "TextSegment"]] * 2
-    assert windows[1][0] is b
+def test_audio_is_cut_into_one_prompt_per_30_s_window():
+    samples = np.arange(N_SAMPLES + 5, dtype=np.float32)
+    got = windows(samples, (1, 2))
+    assert [[type(s).__name__ for s in w] for w in got] == [["AudioSegment", "TextSegment"]] * 2
+    assert [len(w[0].samples) for w in got] == [N_SAMPLES, 5] and got[1][0].samples[0] == N_SAMPLES
+    assert all(w[1] == TextSegment((1, 2)) for w in got)
+    assert len(windows(np.zeros(0, np.float32), (1,))) == 1  # silence: still one window
+    assert isinstance(got[0][0], AudioSegment)
 
 
-def test_forced_tokens_split_by_recorded_window_lengths_or_at_endoftext():
-    tokens = WindowTokens([5, 6, 9, 7, 9], [3, 2])
-    assert _split_forced(tokens, 2, eot=9) == [[5, 6, 9], [7, 9]]
-    # a window cut by --max-new-tokens has no <|endoftext|>: only the recorded lengths split it right
-    assert _split_forced(WindowTokens([5, 6, 7, 9], [2, 2]), 2, eot=9) == [[5, 6], [7, 9]]
-    assert _split_forced([5, 9, 7, 9], 2, eot=9) == [[5, 9], [7, 9]]  # a plain list: cut after each eot
-    assert _split_forced([5, 9], 3, eot=9) == [[5, 9], [], []]
-    assert _split_forced(None, 2, eot=9) == [None, None]
+def test_tokens_are_split_back_by_each_windows_count():
+    """A window cut by --max-new-tokens has no <|endoftext|>: only the recorded counts split the tokens right."""
+    result = GenerationResult("", [], [5, 6, 7, 9], "eos", Stats(), windows=(2, 2))
+    assert result.window_tokens() == [[5, 6], [7, 9]]
+    assert GenerationResult("", [], [5, 9], "eos", Stats()).window_tokens() == [[5, 9]]  # no record: one window

@@ -1,19 +1,18 @@
 """The CUDA-only runtime paths on a tiny bf16 CUDA bundle: the prefill captured as a CUDA graph the second time a
 prompt shape is seen and replayed after, against the eager-prefill run; the LRU of captured shapes; the decode
-step through text_decoder_step's Triton kernels against text_decoder. Skipped without a GPU (CI has none): run
-`python -m pytest tests/test_cuda_runtime.py tests/test_kernels.py` on the GPU machine (benchmarks/gpu_call11.sh:
-40 passed on the H200, `benchmarks/h200/cuda_tests_s11.log`)."""
+step through text_decoder_step's Triton kernels against text_decoder. Skipped without a GPU (CI has none): `bash benchmarks/h200.sh tests` runs tests/cuda on the GPU machine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import AUDIO, export_cached
+from conftest import AUDIO, export_cached, runner_for
 
 from runner.audio import load_audio
-from runner.multimodal import GenerationOptions, MultimodalRunner, ProgramEngine, chat_prompt
-from runner.program import Program
-from runner.tokenizer import Tekken
+from runner.families.voxtral import chat_prompt
+from runner.runtime.generate import GenerationOptions
+from runner.runtime.options import RuntimeOptions
+from runner.runtime.program import Program
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -26,7 +25,7 @@ def cuda_bundle(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture
 def runner(cuda_bundle):
     with Program.load(cuda_bundle) as program:
-        yield MultimodalRunner(ProgramEngine(program), Tekken.from_file(cuda_bundle / "tekken.json"))
+        yield runner_for(program)
 
 
 OPTS = GenerationOptions(max_new_tokens=8, min_new_tokens=8, record_logits=True)
@@ -92,13 +91,14 @@ def test_decode_steps_run_the_kernels_and_match_text_decoder(cuda_bundle):
         assert (got - want).abs().max() <= 5e-2 * want.abs().max()  # the export self-check's bf16 tolerance
 
 
-def test_greedy_chains_give_the_step_by_step_tokens(runner, cuda_bundle, monkeypatch):
+def test_greedy_chains_give_the_step_by_step_tokens(cuda_bundle):
     """Greedy decoding through the CUDA graph of 8 steps (each argmax feeding the next step in the
     graph) against the one-step graph (record_logits takes that path) and against no graph at all: the same
     kernels, so the same tokens. 1 + 3 chains + 4 single steps; a second run starts its first chain afresh."""
     GREEDY_CHAIN = 8
-    monkeypatch.setenv("VOXTRAL_RUNNER_GREEDY_CHAIN", str(GREEDY_CHAIN))
     n = 1 + 3 * GREEDY_CHAIN + GREEDY_CHAIN // 2
+    program = Program.load(cuda_bundle)
+    runner = runner_for(program, RuntimeOptions(greedy_chain=GREEDY_CHAIN))
     prompt = _prompt(runner, "What is said?")
     engine = runner.engine
     engine.reset()
@@ -113,17 +113,18 @@ def test_greedy_chains_give_the_step_by_step_tokens(runner, cuda_bundle, monkeyp
     assert replays == [start + i * GREEDY_CHAIN for i in range(3)] * 2
     assert chained[0].tokens == chained[1].tokens == stepwise.tokens and len(stepwise.tokens) == n
     assert [int(x.argmax()) for x in stepwise.logits] == stepwise.tokens
+    program.close()
     with Program.load(cuda_bundle) as program:
-        plain = MultimodalRunner(ProgramEngine(program, cuda_graph=False), runner.tok)
+        plain = runner_for(program, RuntimeOptions(cuda_graph=False))
         assert plain.generate(prompt, greedy).tokens == stepwise.tokens
 
 
 def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
-    """PDL (runner/pdl.py) on the greedy chain: every GEMV and attention launch of every step gets a programmatic
+    """PDL (runner/runtime/pdl.py) on the greedy chain: every GEMV and attention launch of every step gets a programmatic
     edge (AOTInductor's kernel names are found in the graph), and a chain replayed with those edges gives the
     tokens of one captured with plain edges, from the same prompt and cache."""
-    from runner import pdl
-    from runner.multimodal import GreedyChainGraph
+    from runner.runtime import pdl
+    from runner.runtime.graphs import GreedyChainGraph
 
     engine = runner.engine
     if not engine.pdl:
@@ -143,7 +144,7 @@ def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
     chains = {}
     for overlap in (True, False):
         engine.reset()
-        chain = GreedyChainGraph(engine, 4, overlap=overlap)
+        chain = GreedyChainGraph(engine.graph_step, 4, "cuda", overlap=overlap)
         engine.reset()
         logits, ids = runner.prefill(prompt)
         first = logits.argmax(dim=-1, keepdim=True)

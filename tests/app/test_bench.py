@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runner.bench_report import FIGURE, OURS, Summary, percentile, ratio, trimmed_mean
-from runner.cli import main
+from runner.app.bench.report import FIGURE, OURS, Summary, percentile, ratio, trimmed_mean
+from runner.app.cli import main
 
-SCHEMA = Path(__file__).resolve().parents[1] / "benchmarks" / "schema" / "v3.schema.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "benchmarks" / "schema" / "v3.schema.json"
 
 
 # ---------------------------------------------------------------- statistics

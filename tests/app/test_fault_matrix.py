@@ -3,7 +3,7 @@ the file or value at fault, a non-zero exit, no traceback, nothing written outsi
 failed download or export leaves nothing behind. Valid-but-unusual inputs (8 kHz, 96 kHz, 6 channels, special-
 token text in a prompt, a generation that reaches the end of the context) succeed instead.
 
-Most cases call `runner.cli.main([...])` in-process (what `python -m runner` runs; `capsys` reads stderr); a few
+Most cases call `runner.app.cli.main([...])` in-process (what `python -m runner` runs; `capsys` reads stderr); a few
 run `python -m runner` as a subprocess to prove the same at the process level. The table of cases is printed
 with `-s` (`pytest tests/test_fault_matrix.py -s -k table`)."""
 
@@ -29,22 +29,22 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
-from runner import fetch
+from runner.app import fetch
+from runner.app.cli import main
+from runner.app.options import Environment
 from runner.audio import N_SAMPLES, SAMPLE_RATE
 from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, file_entries, read_manifest, sha256_file, write_manifest
-from runner.cli import main
-from runner.export.exporter import default_cache_dir
-from runner.tokenizer import Tekken
+from runner.families.voxtral.tokenizer import Tekken
 
 try:
     from tests.github_stub import TOKEN, GitHubStub, fake_bundle_zip, write_fake_bundle, zip_dir, zip_members
 except ImportError:  # tests/ on sys.path rather than importable as a package
     from github_stub import TOKEN, GitHubStub, fake_bundle_zip, write_fake_bundle, zip_dir, zip_members
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 AUDIO = ROOT / "fixtures" / "audio"
 REPO, NAME = "octo/voxtral", "voxtral-bundle-tiny-cpu-fp32"
-COMPILE_CACHE = default_cache_dir()  # the real one, read before any test points VOXTRAL_RUNNER_CACHE elsewhere
+COMPILE_CACHE = Environment.read().cache_dir  # the real one, read before any test points VOXTRAL_RUNNER_CACHE elsewhere
 TABLE: list[tuple[str, str, str]] = []  # (group, case, error line or outcome), for the closing table
 
 
@@ -707,7 +707,7 @@ def test_export_fault(case, tiny_checkpoint, work, capsys):
 def test_export_that_fails_half_way_leaves_nothing(tiny_checkpoint, work, monkeypatch, capsys):
     """The disk fills while the weights are written (injected ENOSPC on the third file): the half-built stage
     is removed, the old bundle at --out stays, and the error names --out."""
-    import runner.export.exporter as exporter
+    import runner.export.pipeline as exporter
 
     out = work / "exports" / "bundle"
     out.mkdir(parents=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.pdl import WAITING_KERNELS, pick_edges
+from runner.runtime.pdl import WAITING_KERNELS, pick_edges
 
 NAMES = {
     1: "triton_poi_fused_embedding_0",  # Inductor's: does not wait
@@ -45,7 +45,7 @@ def test_nothing_to_pick_in_a_graph_of_other_kernels():
     assert pick_edges(edges, NAMES.get, WAITING_KERNELS) == []
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Run in a fresh interpreter: the kernels must be JIT functions (tests/test_kernels.py makes them interpreted on a
 # CPU machine), and without a GPU Triton needs a stand-in driver that names the H200's target.

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.cli import main
-from runner.tokenizer import Tekken
+from runner.app.cli import main
+from runner.families.voxtral.tokenizer import Tekken
 
-AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 FILES = [
     "speech.wav",
     "long_35s.flac",
@@ -121,7 +121,7 @@ def test_bad_options_are_one_error_line(tiny_bundle, capsys, args, message):
 
 
 def test_golden_mismatch_fails_the_run(tiny_bundle, tmp_path, capsys):
-    golden = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "tiny.json").read_text())
+    golden = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "golden" / "tiny.json").read_text())
     golden["tokens"]["cpu-float32"]["short.wav"][3] += 1
     path = tmp_path / "golden.json"
     path.write_text(json.dumps(golden))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runner import fetch
+from runner.app import fetch
+from runner.app.options import Environment
 from runner.bundle import verify_bundle
 from runner.errors import FetchError
 
@@ -144,23 +145,17 @@ def test_unknown_workflow_is_a_404(gh, tmp_path, sleeps):
 
 
 @pytest.mark.parametrize("env", [{}, {"GITHUB_TOKEN": ""}, {"GH_TOKEN": "  "}])
-def test_no_token_is_an_error_before_any_request(gh, tmp_path, sleeps, monkeypatch, env):
-    for var in fetch.TOKEN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+def test_no_token_is_an_error_before_any_request(gh, tmp_path, sleeps, env):
     with pytest.raises(FetchError) as e:
-        get(gh, tmp_path, sleeps, run_id=1, token=fetch.token_from_env())
+        get(gh, tmp_path, sleeps, run_id=1, token=Environment.read(env).github_token)
     assert "GITHUB_TOKEN or GH_TOKEN" in one_line(e) and "public" in str(e.value)
     assert gh.requests == []
 
 
-def test_token_from_env_prefers_github_token(monkeypatch):
-    monkeypatch.setenv("GH_TOKEN", "b")
-    monkeypatch.setenv("GITHUB_TOKEN", "a")
-    assert fetch.token_from_env() == "a"
-    monkeypatch.delenv("GITHUB_TOKEN")
-    assert fetch.token_from_env() == "b"
+def test_token_from_env_prefers_github_token():
+    assert Environment.read({"GH_TOKEN": "b", "GITHUB_TOKEN": "a"}).github_token == "a"
+    assert Environment.read({"GH_TOKEN": " b "}).github_token == "b"
+    assert "a" not in repr(Environment.read({"GITHUB_TOKEN": "a"}))  # a secret: never in a repr
 
 
 def test_bad_token_is_401(gh, tmp_path, sleeps):
@@ -377,12 +372,13 @@ def test_argument_errors(tmp_path):
         fetch.fetch_artifact(REPO, run_id=1, **{**common, "name": ".."})
 
 
-def test_api_url_defaults_to_github_api_url_env(monkeypatch):
-    monkeypatch.delenv("GITHUB_API_URL", raising=False)
-    assert fetch.resolve_api_url() == "https://api.github.com"
-    monkeypatch.setenv("GITHUB_API_URL", "https://ghe.example.com/api/v3/")
-    assert fetch.resolve_api_url() == "https://ghe.example.com/api/v3"
-    assert fetch.resolve_api_url("https://other/api") == "https://other/api"
+def test_api_url_defaults_to_github_api_url_env():
+    assert Environment.read({}).github_api_url is None  # fetch then uses DEFAULT_API_URL
+    assert fetch.DEFAULT_API_URL == "https://api.github.com"
+    assert Environment.read({"GITHUB_API_URL": "https://ghe.example.com/api/v3/"}).github_api_url.startswith(
+        "https://ghe"
+    )
+    assert fetch.GitHub("https://ghe.example.com/api/v3/", "t").api_url == "https://ghe.example.com/api/v3"
 
 
 def test_progress_bar_does_not_break_the_download(gh, tmp_path, sleeps):
@@ -418,7 +414,7 @@ def test_cli_run_id_and_latest_are_exclusive(capsys):
 
 
 @pytest.mark.skipif(
-    not (Path(__file__).parents[1] / "runner" / "__main__.py").exists(), reason="no runner/__main__.py yet"
+    not (Path(__file__).parents[2] / "runner" / "__main__.py").exists(), reason="no runner/__main__.py yet"
 )
 def test_python_m_runner_fetch_fails_with_one_error_line(gh, tmp_path):
     gh.add_run(1)
@@ -426,7 +422,7 @@ def test_python_m_runner_fetch_fails_with_one_error_line(gh, tmp_path):
     out = str(tmp_path / "o")
     r = subprocess.run(
         [sys.executable, "-m", "runner", "fetch", *f"--repo {REPO} --run-id 1 --name {NAME}".split(), "--dest", out],
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
         env=env,
         capture_output=True,
         text=True,

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import prompt_for, runner_for
 
 from runner.bundle import file_entries, read_manifest, write_manifest
 from runner.errors import DelegateError
-from runner.multimodal import GenerationOptions, MultimodalRunner, ProgramEngine
-from runner.program import Program
-from runner.tokenizer import Tekken
+from runner.runtime.generate import GenerationOptions
+from runner.runtime.program import Program
 
-AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 
 
 def test_step_binds_text_decoders_weights_and_cache(tiny_bundle):
@@ -55,9 +55,9 @@ def test_runner_decodes_through_the_step_method(tiny_bundle):
         for name in calls:
             method = p.methods[name]
             p.methods[name] = _Counted(method, calls, name)
-        runner = MultimodalRunner(ProgramEngine(p), Tekken.from_file(tiny_bundle / "tekken.json"))
+        runner = runner_for(p)
         result = runner.generate(
-            runner.prompt_for(AUDIO / "short.wav", None, "en"), GenerationOptions(max_new_tokens=6, min_new_tokens=6)
+            prompt_for(runner, AUDIO / "short.wav", None, "en"), GenerationOptions(max_new_tokens=6, min_new_tokens=6)
         )
     assert len(result.tokens) == 6
     assert calls == {"text_decoder": 1, "text_decoder_step": 5}  # the prompt once, then one step per new token

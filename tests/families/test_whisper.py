@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CACHE
 
+from runner.app.wer import corpus_wer, score
 from runner.errors import ExportError, GenerationError
-from runner.export.exporter import ExportOptions, default_cache_dir
+from runner.export.pipeline import ExportOptions
 from runner.export.whisper_convert import ConversionError, load_whisper, package_model_dir
-from runner.multimodal import GenerationOptions
-from runner.tokenizer import StreamDecoder
-from runner.wer import corpus_wer, score
+from runner.runtime.detokenize import StreamDecoder
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 AUDIO = FIXTURES / "audio"
 TRANSCRIPTS = json.loads((AUDIO / "transcripts.json").read_text())
 FILES = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
@@ -44,7 +45,7 @@ def whisper(whisper_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(whisper):
-    from runner.whisper import WhisperTokenizer
+    from runner.families.whisper import WhisperTokenizer
 
     model, _, path = whisper
     return WhisperTokenizer(path, model.config.text.vocab_size)
@@ -54,28 +55,35 @@ def tokenizer(whisper):
 def eager_runner(whisper, tokenizer):
     import copy
 
-    from runner.export.whisper_export import WhisperEagerEngine
-    from runner.whisper import WhisperRunner
+    from runner.reference.whisper import engine_for
 
     model = copy.deepcopy(whisper[0])
     model.setup_caches(model.config.text.max_target_positions)
-    return WhisperRunner(WhisperEagerEngine.from_model(model), tokenizer)
+    return MultimodalRunner(engine_for(model), tokenizer, None)
+
+
+def prompts(tokenizer, path, prompt=None, language=None):
+    """The prompt windows `run` builds for a Whisper tiny.en file."""
+    from runner.families.whisper import WhisperFamily
+
+    return WhisperFamily(tokenizer).prompts(path, prompt, language, 1)
 
 
 @pytest.fixture(scope="session")
 def eager_results(eager_runner):
     opts = GenerationOptions(max_new_tokens=100)
-    return {f: eager_runner.generate(eager_runner.prompt_for(AUDIO / f, None, None), opts) for f in FILES}
+    tok = eager_runner.tok
+    return {f: eager_runner.generate_windows(prompts(tok, AUDIO / f), opts) for f in FILES}
 
 
 @pytest.fixture(scope="session")
 def whisper_bundle(whisper, tmp_path_factory) -> Path:
     """One CPU fp32 bundle for the module; compiled libraries come from the shared compile cache."""
-    from runner.export.whisper_export import export_whisper_bundle
+    from runner.export.whisper import export_whisper
 
     model, source, tokenizer = whisper
     out = tmp_path_factory.mktemp("bundles") / "whisper-tiny.en"
-    export_whisper_bundle(model, source, tokenizer, out, ExportOptions(max_seq_len=448, cache_dir=default_cache_dir()))
+    export_whisper(model, source, tokenizer, out, ExportOptions(max_seq_len=448, cache_dir=CACHE))
     return out
 
 
@@ -106,7 +114,7 @@ def test_eager_logits_match_transformers_whisper_on_the_same_weights(whisper, ea
     state["proj_out.weight"] = state["model.decoder.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)
     from runner.audio import load_audio, pad_to_chunks
-    from runner.export.mel import LogMelSpectrogram
+    from runner.models.mel import LogMelSpectrogram
 
     mel = LogMelSpectrogram(80)
     for name in ("speech.wav", "short.wav", "silence.wav"):
@@ -116,10 +124,10 @@ def test_eager_logits_match_transformers_whisper_on_the_same_weights(whisper, ea
         with torch.no_grad():
             logits = hf(input_features=feats, decoder_input_ids=ids).logits[0, len(result.prompt_ids) - 1 :]
         assert logits.argmax(-1).tolist() == list(result.tokens), name
-        forced = eager_runner.generate(
-            eager_runner.prompt_for(AUDIO / name, None, None),
+        forced = eager_runner.generate_windows(
+            prompts(eager_runner.tok, AUDIO / name),
             GenerationOptions(max_new_tokens=len(result.tokens), record_logits=True),
-            forced=result.tokens,
+            forced=result.window_tokens(),
         )
         ours = torch.cat(forced.logits)
         assert (ours - logits).abs().max().item() < 1e-3 * logits.abs().max().item(), name
@@ -129,16 +137,16 @@ def test_long_audio_is_transcribed_window_by_window(eager_results, tokenizer):
     result = eager_results["long_35s.flac"]
     prompt = [tokenizer.special_id("<|startoftranscript|>"), tokenizer.special_id("<|notimestamps|>")]
     assert result.prompt_ids == prompt * 2  # two 30 s windows, each with its own prompt
-    assert result.tokens.lengths[0] + result.tokens.lengths[1] == len(result.tokens)
-    assert result.tokens[result.tokens.lengths[0] - 1] == tokenizer.eos_id  # the first window ended by itself
+    assert len(result.windows) == 2 and sum(result.windows) == len(result.tokens)
+    assert result.tokens[result.windows[0] - 1] == tokenizer.eos_id  # the first window ended by itself
     assert "exactly what was said" in result.text.lower()
 
 
 def test_prompt_refuses_chat_prompts_and_other_languages_on_an_english_only_model(eager_runner):
     with pytest.raises(GenerationError, match="transcribes only"):
-        eager_runner.prompt_for(AUDIO / "short.wav", "what is said?", None)
+        prompts(eager_runner.tok, AUDIO / "short.wav", "what is said?")
     with pytest.raises(GenerationError, match="English-only"):
-        eager_runner.prompt_for(AUDIO / "short.wav", None, "fr")
+        prompts(eager_runner.tok, AUDIO / "short.wav", None, "fr")
 
 
 def test_cache_longer_than_the_decoder_positions_is_refused(whisper):
@@ -185,7 +193,7 @@ def test_bundle_declares_the_family_mel_bins_and_tokenizer(whisper_bundle):
 def test_run_verb_transcribes_the_fixtures_with_the_eager_tokens_and_wer_below_the_threshold(
     whisper_bundle, eager_results, capsys
 ):
-    from runner.cli import main
+    from runner.app.cli import main
 
     # (the eager comparison is eager_results, already computed; `--reference eager` is the e2e session's)
     argv = ["run", "--bundle", str(whisper_bundle), "--json", "--max-new-tokens", "100"]
@@ -204,7 +212,7 @@ def test_run_verb_transcribes_the_fixtures_with_the_eager_tokens_and_wer_below_t
 
 
 def test_run_verb_fails_above_max_wer(whisper_bundle, tmp_path, capsys):
-    from runner.cli import main
+    from runner.app.cli import main
 
     refs = tmp_path / "refs.json"
     refs.write_text(json.dumps({"short.wav": "goodbye"}))

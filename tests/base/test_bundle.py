@@ -31,7 +31,7 @@ from runner.bundle import (
     write_manifest,
 )
 from runner.errors import BundleError
-from runner.program import Program
+from runner.runtime.program import Program
 
 try:
     from tests.json_paths import mutate, paths

@@ -1,23 +1,28 @@
-"""The delegate's sizes/strides cache (runner/tensor_meta.py). The seed cached tensor metadata by data pointer
+"""The delegate's sizes/strides cache (runner/runtime/tensor_meta.py). The seed cached tensor metadata by data pointer
 and never re-validated it: a runner that slices one static buffer (`mel[:n_chunks]`) hands the next, shorter
 input with the SAME pointer and a NEW shape, and the kernels got stale sizes. These tests drive exactly that
-pattern through the real methods and compare with eager, then prove they would catch the bug by switching
-validation off."""
+pattern through the real methods and compare with eager, then prove they would catch the bug by giving the
+cache the seed's key (the data pointer alone)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import runner.tensor_meta as tm
 from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK
 from runner.bundle import read_manifest
-from runner.export.checkpoint import model_from_bundle
-from runner.export.mel import LogMelSpectrogram
-from runner.program import Program
-from runner.tensor_meta import Binding, MetaCache, TensorMeta
+from runner.models.mel import LogMelSpectrogram
+from runner.models.voxtral import AudioEncoderMethod, TokenEmbeddingMethod
+from runner.reference.voxtral import model_from_bundle
+from runner.runtime.program import Program
+from runner.runtime.tensor_meta import Binding, MetaCache, TensorMeta
 
 RTOL = 1e-5
+
+
+def seed_key(t: torch.Tensor) -> int:
+    """The seed's cache key: the data pointer alone."""
+    return t.data_ptr()
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +63,10 @@ def static_buffer_sequence(program: Program, eager) -> list[tuple[str, torch.Ten
             mel = mel_buf[:k]
             assert mel.data_ptr() == mel_buf.data_ptr()
             mel.copy_(mel_want)
-            results.append((f"audio_encoder[{k} chunks]", enc(mel)[0], model.encode_audio(mel)))
+            results.append((f"audio_encoder[{k} chunks]", enc(mel)[0], AudioEncoderMethod(model)(mel)))
             ids = ids_buf[:, :n]
             ids.copy_(torch.randint(0, model.config.text.vocab_size, (1, n), generator=g))
-            results.append((f"token_embedding[{n} ids]", emb(ids)[0], model.embed(ids)))
+            results.append((f"token_embedding[{n} ids]", emb(ids)[0], TokenEmbeddingMethod(model)(ids)))
     return results
 
 
@@ -74,11 +79,12 @@ def test_static_buffers_sliced_to_new_shapes(program, eager):
     assert shapes == [[1, 2 * TOKENS_PER_CHUNK, H], [1, TOKENS_PER_CHUNK, H], [1, 2 * TOKENS_PER_CHUNK, H]]
 
 
-def test_without_validation_the_same_sequence_goes_wrong(tiny_bundle, eager, monkeypatch):
+def test_without_validation_the_same_sequence_goes_wrong(tiny_bundle, eager):
     """With the cache keyed by pointer alone (the seed's behaviour), the 1-chunk call reuses the 2-chunk
     binding: the output has the stale shape. This is what makes the test above a regression test."""
-    monkeypatch.setattr(tm, "_VALIDATE", False)
-    with Program.load(tiny_bundle) as p:  # fresh handles: empty caches
+    with Program.load(tiny_bundle) as p:  # fresh handles, given the seed's cache
+        for m in p.methods.values():
+            m.handle.cache = MetaCache(key=seed_key)
         results = static_buffer_sequence(p, eager)
     wrong = [label for label, got, want in results if not matches(got, want)]
     assert wrong, "switching validation off changed nothing: the sequence does not exercise the cache"
@@ -101,9 +107,9 @@ def test_non_contiguous_view_with_new_data(program, eager):
     with torch.no_grad():
         for _ in range(2):
             store.copy_(torch.randn(store.shape, generator=g))
-            assert matches(program.methods["audio_encoder"](mel)[0], model.encode_audio(mel))
+            assert matches(program.methods["audio_encoder"](mel)[0], AudioEncoderMethod(model)(mel))
             ids_store.copy_(torch.randint(0, model.config.text.vocab_size, (1, 10), generator=g))
-            assert matches(program.methods["token_embedding"](ids)[0], model.embed(ids))
+            assert matches(program.methods["token_embedding"](ids)[0], TokenEmbeddingMethod(model)(ids))
 
 
 def test_handle_cache_counters(program, eager):
@@ -128,9 +134,9 @@ class Builder:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, t: torch.Tensor) -> Binding:
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return Binding(TensorMeta.of(t), t)
+        return t
 
 
 def test_hit_on_identical_metadata():
@@ -189,11 +195,11 @@ def test_slots_are_independent_and_clear_forgets():
     assert (cache.hits, cache.rebuilds) == (2, 3)
 
 
-def test_pointer_only_mode_is_the_seed_bug(monkeypatch):
-    """Documents what `_VALIDATE = False` means: a new shape at the same pointer is a (wrong) hit."""
-    monkeypatch.setattr(tm, "_VALIDATE", False)
-    cache, build = MetaCache(), Builder()
+def test_pointer_only_key_is_the_seed_bug():
+    """What the seed's key means: a new shape at the same pointer is a (wrong) hit, handing over the old view."""
+    cache, build = MetaCache(key=seed_key), Builder()
     buf = torch.zeros(4, 3)
     first = cache.bind(0, buf[:2], build)
     assert cache.bind(0, buf[:1], build) is first
-    assert first.meta.sizes == (2, 3)
+    assert first.tensor.shape == (2, 3)
+    assert isinstance(first, Binding)

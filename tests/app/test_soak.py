@@ -34,15 +34,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from conftest import prompt_for, runner_for
 
 from runner.audio import N_SAMPLES, SAMPLE_RATE, load_audio, num_chunks
 from runner.bundle import file_entries, read_manifest, sha256_file, write_manifest
 from runner.errors import GenerationError
-from runner.multimodal import GenerationOptions, MultimodalRunner, ProgramEngine
-from runner.program import Program
-from runner.tokenizer import Tekken
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
+from runner.runtime.program import Program
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 AUDIO = ROOT / "fixtures" / "audio"
 FIXTURE_FILES = ["short.wav", "speech_48k_stereo.wav", "silence.wav", "speech.wav", "long_35s.flac"]
 OPTS = GenerationOptions(max_new_tokens=12)
@@ -127,11 +127,11 @@ def check_flat(trend: Trend, what: str, *, rss_kb_per_step: float, rss_kb_total:
 
 
 def make_runner(program: Program) -> MultimodalRunner:
-    return MultimodalRunner(ProgramEngine(program), Tekken.from_file(program.bundle_dir / "tekken.json"))
+    return runner_for(program)
 
 
 def result_of(runner: MultimodalRunner, path: Path, opts: GenerationOptions = OPTS) -> tuple:
-    r = runner.generate(runner.prompt_for(path, None, None), opts)
+    r = runner.generate(prompt_for(runner, path, None, None), opts)
     return (tuple(r.tokens), r.text, tuple(r.prompt_ids), r.stop_reason)
 
 
@@ -224,11 +224,12 @@ def long_bundle(request, tmp_path_factory) -> Path:
         return Path(os.environ["VOXTRAL_SOAK_BUNDLE"])
     tiny_checkpoint = request.getfixturevalue("tiny_checkpoint")
     from runner.export.checkpoint import load_checkpoint
-    from runner.export.exporter import ExportOptions, export_bundle
+    from runner.export.pipeline import ExportOptions
+    from runner.export.voxtral import export_voxtral
 
     out = tmp_path_factory.mktemp("bundles") / "tiny-4chunks"
     model, source, tekken = load_checkpoint(tiny_checkpoint)
-    export_bundle(model, source, tekken, out, ExportOptions(max_audio_chunks=4, max_seq_len=1600))
+    export_voxtral(model, source, tekken, out, ExportOptions(max_audio_chunks=4, max_seq_len=1600))
     return out
 
 
@@ -401,7 +402,7 @@ def test_two_threads_on_one_runner_get_a_clear_busy_error(tiny_bundle, fixture_f
                 inside.set()
                 tried.wait(timeout=30)
 
-            r = runner.generate(runner.prompt_for(AUDIO / "speech.wav", None, None), OPTS, on_text=hold)
+            r = runner.generate(prompt_for(runner, AUDIO / "speech.wav", None, None), OPTS, on_text=hold)
             assert tuple(r.tokens) == ref[AUDIO / "speech.wav"][0]
 
         def second():

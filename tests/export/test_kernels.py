@@ -20,9 +20,9 @@ DOT_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 pytest.importorskip("triton")
 
 from runner.export import kernels as K  # noqa: E402
-from runner.export.config import preset  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
-from runner.export.model import Voxtral, apply_rope, rope, rope_inv_freq  # noqa: E402
+from runner.models.voxtral import Voxtral, apply_rope, rope, rope_inv_freq  # noqa: E402
+from runner.models.voxtral_config import preset  # noqa: E402
 
 
 def rms(x, g, eps):
@@ -166,7 +166,7 @@ def test_decode_step_module_only_where_attention_can_tile(head_dim, kernels):
     """CUDA exports get the kernels when tl.dot can tile the head (a power of two >= 16), else the decoder."""
     from dataclasses import replace
 
-    from runner.export.exporter import decode_step_module
+    from runner.export.voxtral import decode_step_module
 
     c = preset("tiny")
     text = replace(c.text, head_dim=head_dim)

@@ -9,9 +9,10 @@ from transformers import WhisperFeatureExtractor
 from transformers.audio_utils import mel_filter_bank
 
 from runner.audio import N_FRAMES, N_MELS, N_SAMPLES, SAMPLE_RATE, load_audio, pad_to_chunks
-from runner.export.mel import LogMelSpectrogram, export_mel, mel_filters
+from runner.export.methods import export_mel
+from runner.models.mel import LogMelSpectrogram, mel_filters
 
-AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio"
+AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 # Same float32 STFT as HF's torch path; measured max |diff| is ~1e-7 (one float32 ulp around 1).
 ATOL = 1e-5
 

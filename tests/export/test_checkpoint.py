@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from runner.errors import ExportError
 from runner.export.checkpoint import load_checkpoint
-from runner.export.config import PRESETS, AudioConfig, TextConfig, VoxtralConfig
+from runner.models.voxtral_config import PRESETS, AudioConfig, TextConfig, VoxtralConfig
 
 TINY_HF_CONFIG = json.loads((FIXTURES / "voxtral-tiny" / "config.json").read_text())
 

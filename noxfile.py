@@ -6,7 +6,7 @@
     nox -s tests             the test suite (without the tests marked slow)
     nox -s soak              the long soak / lifecycle / fault runs (tests marked slow)
     nox -s fuzz              atheris on the manifest parser and the audio loader
-    nox -s lint              ruff + workflow linters
+    nox -s lint              ruff, the layer contracts (import-linter), workflow linters
 
 Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`).
 TORCH_SPEC picks the torch to install (default torch==2.13.0: on these machines a CPU wheel on disk; a bare
@@ -158,10 +158,12 @@ def fuzz(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on the code; check-jsonschema and zizmor on the workflows."""
-    session.install("ruff", "check-jsonschema", "zizmor")
+    """ruff on the code; the layer contracts (import-linter, pyproject.toml); check-jsonschema and zizmor on the
+    workflows."""
+    session.install("ruff", "check-jsonschema", "zizmor", "import-linter")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports", env={"PYTHONPATH": "."})  # reads the source tree: no install needed
     workflows = sorted(str(p) for p in __import__("pathlib").Path(".github/workflows").glob("*.yml"))
     if workflows:
         session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)

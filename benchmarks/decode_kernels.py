@@ -26,9 +26,9 @@ import triton
 from profile_decode import graph_ms
 
 from runner.export import kernels as K
-from runner.models.voxtral_config import TextConfig
 from runner.export.decode_step import DecodeStep
 from runner.models.voxtral import KVCache, LanguageModel, TextDecoder, apply_rope, rope
+from runner.models.voxtral_config import TextConfig
 
 DEV, BF16 = "cuda", torch.bfloat16
 
@@ -173,7 +173,7 @@ def sweep_attention(lm, c, results, fills=(512, 1000)) -> dict:
 
         def fused(p=pos, s=None, b=None, kc_vc=caches, cos=cos, sin=sin):
             # the counters need no zeroing between calls: the last split of each head resets its count
-            return [K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b) for kc, vc in kc_vc]
+            return [K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, splits=s, block_t=b) for kc, vc in kc_vc]
 
         ref_ms = graph_ms(lambda p=pos, q=q: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
@@ -207,7 +207,7 @@ def sweep_attention(lm, c, results, fills=(512, 1000)) -> dict:
 def time_steps(lm, c, results, fill: int) -> None:
     emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
     pos = torch.tensor([fill], device=DEV)
-    ref_dec, step = TextDecoder(c, lm), DecodeStep(c, lm)
+    ref_dec, step = TextDecoder(c, lm), DecodeStep(c, lm, pdl=K.pdl_supported(torch.empty(0, device=DEV)))
     caches = [t for la in lm.model.layers for t in (la.self_attn.kv_cache.k_cache, la.self_attn.kv_cache.v_cache)]
     saved = [t.clone() for t in caches]
 
@@ -253,7 +253,8 @@ def tune_in_step(lm, c, results, fill: int) -> None:
     were not). Each result is kept as soon as it is measured: a failure later still leaves it in --out."""
     emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
     pos = torch.tensor([fill], device=DEV)
-    step = DecodeStep(c, lm)
+    pdl = K.pdl_supported(emb)  # the kernels wait (sm_90+): tune with programmatic edges
+    step = DecodeStep(c, lm, pdl=pdl)
     d = c.head_dim
     keys = {
         "qkv": ("rms", (c.n_heads + 2 * c.n_kv_heads) * d, c.dim),
@@ -263,7 +264,6 @@ def tune_in_step(lm, c, results, fill: int) -> None:
         "lm_head": ("rms_f32", c.vocab_size, c.dim),
     }
     out = results["in_step_tuning"] = {}
-    pdl = K.pdl_supported(emb)  # the kernels wait (sm_90+, unless VOXTRAL_RUNNER_PDL=0): tune with programmatic edges
     with torch.no_grad():
         if pdl:  # the step with plain and with programmatic edges, alternating
             ab = {"plain": [], "pdl": []}

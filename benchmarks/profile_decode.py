@@ -24,25 +24,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from runner.audio import N_SAMPLES, load_audio
-from runner.multimodal import (
-    GenerationOptions,
-    MultimodalRunner,
-    ProgramEngine,
-    capture_graph,
-    to_encoder_dtype,
-    transcription_prompt,
-)
+from runner.families.voxtral import Tekken, transcription_prompt
+from runner.runtime.engine import ProgramEngine, to_encoder_dtype
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
+from runner.runtime.graphs import capture_graph
+from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
 from runner.stats import Stats
-from runner.families.voxtral.tokenizer import Tekken
 
 AUDIO = Path(__file__).resolve().parents[1] / "fixtures" / "audio" / "speech.wav"
 
 
 def graph_ms(fn, replays: int = 50, overlap: bool = False) -> float:
     """GPU time per call of `fn` captured as one CUDA graph, replayed back to back (with `overlap`, the decode
-    kernels' edges programmatic: runner/pdl.py)."""
-    g, _ = capture_graph(fn, "cuda", overlap)
+    kernels' edges programmatic: runner/runtime/pdl.py)."""
+    g = capture_graph(fn, "cuda", overlap).graph
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,7 +99,7 @@ def kernel_table(prof, per: int, title: str, top: int = 25) -> None:
 
 
 def ttft_timeline(engine: ProgramEngine, tok: Tekken, gaps: int = 12) -> None:
-    runner = MultimodalRunner(engine, tok)
+    runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))
     segments = transcription_prompt(tok, load_audio(AUDIO), "en")
     opts = GenerationOptions(max_new_tokens=1)
     for _ in range(3):
@@ -147,6 +143,8 @@ def main() -> int:
     p.add_argument("bundle")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-ceilings", action="store_true", help="skip part 1 (the GEMV ceilings)")
+    p.add_argument("--greedy-chain", type=int, default=RuntimeOptions.greedy_chain, help="greedy steps per replay")
+    p.add_argument("--no-pdl", action="store_true", help="plain graph edges even where the kernels wait")
     args = p.parse_args()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
@@ -154,7 +152,7 @@ def main() -> int:
         gemv_ceilings()
 
     program = Program.load(args.bundle, device="cuda")
-    engine = ProgramEngine(program, cuda_graph=True)
+    engine = ProgramEngine(program, RuntimeOptions(greedy_chain=args.greedy_chain, pdl=not args.no_pdl))
     engine.reset()  # captures the decode graph
     tok = engine.graph.token
     g = torch.Generator().manual_seed(0)

@@ -23,14 +23,10 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMV kind, by (N, K). Session 11 swept each GEMV alone (48 configs,
-# `h200/decode_kernels_sweep1.json`; us per call, ours vs cuBLAS: qkv 11.3 vs 14.7, o_proj 8.9 vs 12.7, gate_up 27.2
-# vs 27.4, down 14.9 vs 19.1, lm_head 181 vs 198). Session 12 tuned o_proj, gate_up and down inside the whole step,
-# where wider K tiles won (more bytes in flight per program): the step 2.288 -> 2.213 ms (`h200/step_sweep_s12b.*`,
-# the session-12 sweep's branch). Session 15 retuned them with programmatic edges (PDL: a GEMV starts while the
-# kernel before it finishes): o_proj, down and lm_head moved to narrower K tiles, -45, -56 and -27 us per step,
-# each measured with the others held (`h200/in_step_tuning_s15.json`). Other shapes (the tiny model) take the
-# default.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per GEMV kind, by (N, K), for the 3B shapes: tuned inside the whole
+# decode step with programmatic edges (`benchmarks/decode_kernels.py --parts tune`), where a kernel starts behind
+# another's tail and an isolated sweep picks other tiles (benchmarks/NOTES.md has the sweeps and their figures).
+# Other shapes (the tiny model) take the default.
 GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms", 6144, 3072): (16, 512, 4, 3),
     ("add", 3072, 4096): (16, 1024, 4, 1),
@@ -39,11 +35,8 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms_f32", 131072, 3072): (4, 4096, 4, 1),
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
-# Splits of the positions per KV head, and positions per block. Session 12 (the step eager in a CUDA graph, H200,
-# `h200/step_sweep_s12b.*`): one attention kernel per layer with RoPE, the cache write and the split merge inside,
-# 6.2-6.6 us per layer; 4 x 128 and 8 x 64 within 2 us per step of each other. Session 11's kernel plus its
-# combine kernel and Inductor's rope and cache write: 7.8 + 2.7 us. In session 13's 3B bundle this kernel took 7.8
-# us per layer (`h200/3b_profile_s13.md`); why it is slower there than in the sweep is open (NOTES.md).
+# Splits of the positions per KV head, and positions per block: 4 x 128 and 8 x 64 measured within 2 us per step
+# of each other on the H200 (benchmarks/NOTES.md).
 ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
 
 
@@ -59,7 +52,7 @@ def _after_predecessor(anchor):
     afterwards. Both are no-ops in a kernel launched without programmatic dependent launch (runner/pdl.py).
 
     Inline asm marked pure, not Triton's gdc_wait: AOTInductor's mutation analysis (torch 2.11) cannot analyse
-    the impure op, assumes every input mutated and gives the exported method an output per input (NOTES item 26);
+    the impure op, assumes every input mutated and gives the exported method an output per input (NOTES.md);
     it skips pure asm. Pure asm may move, so the reads that must follow the wait take their address from its
     result: a data dependence no compiler pass can reorder."""
     return tl.inline_asm_elementwise(
@@ -224,7 +217,7 @@ def _rope_table_kernel(pos_ptr, inv_freq_ptr, out_ptr, HALF: tl.constexpr):
 def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """pos [1], inv_freq [D / 2] float32 -> [2, D] (cos, sin) in like's dtype. An op of its own, computed once per
     step: written as torch ops, Inductor recomputed cos/sin in two kernels per layer, inside each consumer's
-    inputs (0.07 ms of kernels per step plus their launches, `h200/3b_profile_s13.md`)."""
+    inputs (benchmarks/NOTES.md)."""
     half = inv_freq.shape[0]
     out = torch.empty(2, 2 * half, dtype=like.dtype, device=like.device)
     wrap_triton(_rope_table_kernel)[(1,)](pos, inv_freq, out, HALF=half, num_warps=1)

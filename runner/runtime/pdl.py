@@ -14,7 +14,6 @@ other edge keeps full completion. Uses the CUDA driver API (12.3+: edge data, cu
 from __future__ import annotations
 
 import ctypes
-import os
 
 # Kernels that execute griddepcontrol.wait before reading anything their predecessor wrote (AOTInductor names a
 # call site's kernel by its Triton name, sometimes with a suffix).
@@ -44,13 +43,6 @@ class _KernelNodeParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
         ("kern", ctypes.c_void_p),
         ("ctx", ctypes.c_void_p),
     ]
-
-
-def enabled() -> bool:
-    """On unless VOXTRAL_RUNNER_PDL=0. At export it leaves griddepcontrol out of the decode kernels (manifest
-    `pdl: false`: that bundle never gets programmatic edges); at run time it captures plain graphs even for a
-    bundle whose kernels wait (an A/B, or a driver that misbehaves)."""
-    return os.environ.get("VOXTRAL_RUNNER_PDL", "1") != "0"
 
 
 class _Driver:

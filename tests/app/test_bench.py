@@ -217,18 +217,20 @@ def test_hf_peer_runs_with_the_same_weights(tiny_bundle, tmp_path):
 def test_git_sha_says_dirty_when_tracked_files_differ_from_the_commit(tmp_path, monkeypatch):
     import subprocess
 
-    from runner import bench
+    from runner.app.bench import verb as bench
+    from runner.app.options import Environment
+
+    env = Environment.read({})  # no GITHUB_SHA: the commit is read from git
 
     git = ["git", "-C", str(tmp_path), "-c", "user.email=t@t", "-c", "user.name=t"]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "f.py").write_text("a\n")
     subprocess.run([*git, "add", "f.py"], check=True)
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
-    monkeypatch.delenv("GITHUB_SHA", raising=False)
     monkeypatch.setattr(bench, "REPO", tmp_path)
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert bench._git_sha() == head
+    assert bench._git_sha(env) == head
     (tmp_path / "new_untracked.txt").write_text("ignored\n")  # untracked files do not make it dirty
-    assert bench._git_sha() == head
+    assert bench._git_sha(env) == head
     (tmp_path / "f.py").write_text("b\n")
-    assert bench._git_sha() == head + "-dirty"
+    assert bench._git_sha(env) == head + "-dirty"

@@ -19,6 +19,7 @@ from runner.bundle import (
     MANIFEST_NAME,
     METHOD_NAMES,
     STEP_METHOD,
+    DigestCache,
     FileEntry,
     Manifest,
     MethodSpec,
@@ -159,17 +160,15 @@ CHUNK = 64 << 10  # every file of the tiny bundle is larger: all of them verify 
 
 
 @pytest.fixture
-def chunked(bundle, tmp_path, monkeypatch) -> Path:
-    """The bundle re-described with per-chunk digests, and an empty digest cache."""
-    monkeypatch.setenv("VOXTRAL_RUNNER_CACHE", str(tmp_path / "cache"))
+def chunked(bundle, tmp_path) -> Path:
+    """The bundle re-described with per-chunk digests (file_entries remembers them in a cache of its own)."""
     m = read_manifest(bundle)
-    files = file_entries(bundle, sorted(m.files), chunk_size=CHUNK)
+    files = file_entries(bundle, sorted(m.files), chunk_size=CHUNK, digests=DigestCache(tmp_path / "warm.json"))
     write_manifest(bundle, dataclasses.replace(m, files=files))
-    monkeypatch.setenv("VOXTRAL_RUNNER_CACHE", str(tmp_path / "cold"))  # file_entries remembered them: forget
     return bundle
 
 
-def test_chunked_files_verify_piece_by_piece_never_whole(chunked, monkeypatch):
+def test_chunked_files_verify_piece_by_piece_never_whole(chunked, tmp_path, monkeypatch):
     import runner.bundle as rb
 
     m = read_manifest(chunked)
@@ -180,11 +179,15 @@ def test_chunked_files_verify_piece_by_piece_never_whole(chunked, monkeypatch):
     real_range = rb.sha256_range
     monkeypatch.setattr(rb, "sha256_file", lambda p: pytest.fail(f"whole-file hash of {p}"))
     monkeypatch.setattr(rb, "sha256_range", lambda p, o, n: ranges.append((Path(p).name, o, n)) or real_range(p, o, n))
-    verify_bundle(chunked)
+    cold = tmp_path / "cold.json"  # an empty digest cache
+    verify_bundle(chunked, digests=DigestCache(cold))
     assert sorted(ranges) == sorted((rel, o, n) for rel, e in m.files.items() for o, n, _ in e.pieces())
     # verified pieces are remembered as the whole file's digest: the next load hashes nothing
-    monkeypatch.setattr(rb, "sha256_range", lambda *a: pytest.fail("hashed again"))
-    verify_bundle(chunked)
+    ranges.clear()
+    verify_bundle(chunked, digests=DigestCache(cold))
+    assert ranges == []
+    verify_bundle(chunked, digests=DigestCache(cold, rehash=True))  # unless told to hash again
+    assert len(ranges) == sum(len(e.pieces()) for e in m.files.values())
 
 
 def test_flipped_byte_in_a_chunked_file_names_its_piece(chunked):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK
 from runner.bundle import MethodSpec, TensorSpec, file_entries, read_manifest, write_manifest
 from runner.errors import DelegateError
-from runner.models.mel import LogMelSpectrogram
+from runner.models import voxtral
 from runner.reference.voxtral import model_from_bundle
 from runner.runtime.delegate import _REQUIRED, AOTIBackend
 from runner.runtime.program import Program
@@ -46,18 +46,13 @@ class Eager:
         self.vocab = self.config.text.vocab_size
         self.max_chunks = self.manifest.model["max_audio_chunks"]
         self.max_seq = self.manifest.model["max_seq_len"]
-        self.mel = LogMelSpectrogram(self.config.audio.n_mels).eval()
-        self.decoder = self.model.decoder()
+        self.methods = voxtral.methods(self.model)  # the modules the exporter compiled
 
     @torch.no_grad()
     def __call__(self, method: str, *inputs: torch.Tensor) -> torch.Tensor:
-        if method == "preprocessor":
-            return self.mel(*inputs)
-        if method == "audio_encoder":
-            return self.model.encode_audio(*inputs)
-        if method == "token_embedding":
-            return self.model.embed(*inputs)
-        return self.decoder(*inputs)
+        if method == "text_decoder_step":
+            method = "text_decoder"  # the same decoder, at one position
+        return getattr(self.methods, method)(*inputs)
 
     def reset(self) -> None:
         self.model.reset_caches()

@@ -346,7 +346,7 @@ def _attention_kernel(
 
 
 def _launch_attention(
-    qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, pdl=False, splits=None, block_t=None
+    qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None, *, pdl=False
 ):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_heads = qkv.shape[0] // d - 2 * n_kv
@@ -401,4 +401,4 @@ def decode_attention(
     this position, caches [1, H_kv, max_seq, D] (this position's key and value are written here), pos [1],
     counters int32, zero in the H_KV slots from counter_offset (a multiple of 16: every layer specialises alike)
     and left zero -> [H * D]."""
-    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, pdl)
+    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, pdl=pdl)

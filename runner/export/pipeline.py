@@ -170,6 +170,23 @@ def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
+def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: str) -> tuple[nn.Module, dict]:
+    """The eager model on the export's device and dtype with its KV cache, and the manifest's `model` fields every
+    family has; the family's exporter adds its own."""
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise ExportError("--device cuda: no CUDA device visible to torch")
+    dtype = DTYPES[opts.dtype]
+    model = model.to(device=opts.device, dtype=dtype).eval()
+    model.setup_caches(opts.max_seq_len, dtype)
+    meta = {
+        "family": family,
+        "config": model.config.to_dict(),
+        "source": source.to_dict(),
+        "max_seq_len": opts.max_seq_len,
+    }
+    return model, meta
+
+
 def build_bundle(
     model: nn.Module,
     plans: list[MethodPlan],

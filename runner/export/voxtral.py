@@ -14,7 +14,7 @@ from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
-from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, source_digest
+from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import voxtral
 from runner.models.voxtral import Voxtral
@@ -118,7 +118,7 @@ def decode_step_module(model: Voxtral, device: str, pdl: bool = True) -> nn.Modu
 def decode_kernels_wait(device: str, pdl: bool) -> bool:
     """Whether text_decoder_step's kernels are compiled with griddepcontrol.wait (asked for, on an sm_90+ GPU):
     the manifest's `pdl`, without which the runtime keeps every graph edge plain (runner/runtime/pdl.py)."""
-    if not pdl or torch.device(device).type != "cuda":
+    if not pdl or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return False
     from runner.export import kernels  # imports Triton
 
@@ -129,9 +129,6 @@ def export_voxtral(
     model: Voxtral, source: ModelSource, tekken_path: Path, out: Path, opts: ExportOptions, progress=None
 ) -> ExportReport:
     """Build the bundle into `out` (replaced atomically). `progress(method, phase)` is told what runs."""
-    dtype = DTYPES[opts.dtype]
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise ExportError("--device cuda: no CUDA device visible to torch")
     if opts.max_audio_chunks * TOKENS_PER_CHUNK + 16 > opts.max_seq_len:
         raise ExportError(
             f"--max-seq-len {opts.max_seq_len} cannot hold {opts.max_audio_chunks} audio chunks "
@@ -148,13 +145,8 @@ def export_voxtral(
             f"{tekken_path}: {tok.vocab_size} tokens do not fit the model's vocab ({model.config.text.vocab_size})"
         )
 
-    model = model.to(device=opts.device, dtype=dtype).eval()
-    model.setup_caches(opts.max_seq_len, dtype)
-    meta = {
-        "family": NAME,
-        "config": model.config.to_dict(),
-        "source": source.to_dict(),
-        "max_seq_len": opts.max_seq_len,
+    model, meta = prepare(model, source, opts, NAME)
+    meta |= {
         "max_audio_chunks": opts.max_audio_chunks,
         "tokens_per_chunk": TOKENS_PER_CHUNK,
         "tokenizer": "tekken.json",

@@ -17,10 +17,9 @@ import torch
 from torch.export import Dim
 
 from runner.audio import N_FRAMES, N_SAMPLES
-from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
-from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, source_digest
+from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
 from runner.families.whisper import NAME, SPECIAL_TOKENS, TOKENIZER_TYPE, WhisperTokenizer
 from runner.models import whisper
 from runner.models.whisper import Whisper
@@ -93,19 +92,12 @@ def export_whisper(
 ) -> ExportReport:
     """Build a Whisper bundle into `out` (replaced atomically), checked against eager before it is published."""
 
-    out, dtype, t = Path(out), DTYPES[opts.dtype], model.config.text
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise ExportError("--device cuda: no CUDA device visible to torch")
+    t = model.config.text
     opts = replace(opts, max_seq_len=min(opts.max_seq_len, t.max_target_positions), max_audio_chunks=1)
     tok = WhisperTokenizer(tokenizer_path, t.vocab_size)
     special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
-    model = model.to(device=opts.device, dtype=dtype).eval()
-    model.setup_caches(opts.max_seq_len, dtype)
-    meta = {
-        "family": NAME,
-        "config": model.config.to_dict(),
-        "source": source.to_dict(),
-        "max_seq_len": opts.max_seq_len,
+    model, meta = prepare(model, source, opts, NAME)
+    meta |= {
         "max_audio_chunks": 1,  # per encoder call; the runner walks longer audio window by window
         "tokens_per_chunk": 0,  # the audio is cross-attended: it takes no decoder positions
         "n_mels": model.config.audio.n_mels,

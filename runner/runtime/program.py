@@ -10,8 +10,8 @@ import torch
 
 from runner.bundle import DigestCache, Manifest, MethodSpec, default_cache_dir, verify_bundle
 from runner.errors import BundleError
-from runner.runtime.options import RuntimeOptions
 from runner.runtime.delegate import AOTIBackend, Handle, SharedTensors
+from runner.runtime.options import RuntimeOptions
 
 log = logging.getLogger(__name__)
 

@@ -155,7 +155,7 @@ def test_no_token_is_an_error_before_any_request(gh, tmp_path, sleeps, env):
 def test_token_from_env_prefers_github_token():
     assert Environment.read({"GH_TOKEN": "b", "GITHUB_TOKEN": "a"}).github_token == "a"
     assert Environment.read({"GH_TOKEN": " b "}).github_token == "b"
-    assert "a" not in repr(Environment.read({"GITHUB_TOKEN": "a"}))  # a secret: never in a repr
+    assert "s3cr3t" not in repr(Environment.read({"GITHUB_TOKEN": "s3cr3t"}))  # a secret: never in a repr
 
 
 def test_bad_token_is_401(gh, tmp_path, sleeps):
@@ -399,7 +399,9 @@ def test_cli_verb_prints_only_the_directory_on_stdout(gh, tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     gh.add_run(1)
     gh.add_artifact(10, NAME, 1, fake_bundle_zip(tmp_path))
-    assert fetch.main(parse(["--repo", REPO, "--run-id", "1", "--name", NAME])) == 0
+    from runner.app.cli import main
+
+    assert main(["fetch", "--repo", REPO, "--run-id", "1", "--name", NAME]) == 0  # the token read from the env
     out, err = capsys.readouterr()
     assert out.strip() == str(Path("artifacts") / NAME)
     verify_bundle(tmp_path / "artifacts" / NAME)
@@ -445,7 +447,7 @@ def test_a_member_under_a_file_is_an_error_not_a_traceback(tmp_path):
 def test_a_fetched_tiny_bundle_runs_the_e2e_check(gh, tmp_path, sleeps, tiny_bundle, capsys):
     """The CI-reproduction path end to end: the real tiny bundle as a CI artifact, fetched through the
     redirect, then the e2e job's check (golden tokens + eager reference) on it."""
-    from tests.test_run_cli import assert_e2e_check
+    from tests.app.test_run_cli import assert_e2e_check
 
     gh.add_run(300)
     gh.add_artifact(30, NAME, 300, zip_dir(tiny_bundle))

@@ -26,6 +26,7 @@ from runner.export.pipeline import ExportOptions
 from runner.export.voxtral import export_voxtral, family_key
 from runner.families.voxtral.tokenizer import Tekken
 from runner.models.mel import LogMelSpectrogram
+from runner.models.voxtral import AudioEncoderMethod, TokenEmbeddingMethod
 from runner.models.voxtral_config import VoxtralConfig
 from runner.reference.voxtral import model_from_bundle
 from runner.runtime.program import Program
@@ -235,7 +236,7 @@ def test_audio_encoder_matches_eager_for_each_chunk_count(loaded):
         for n in [1, 2, 1][: 3 if K >= 2 else 1]:  # 1 -> 2 -> 1: shapes change between calls
             mel = torch.randn(n, 128, 3000, generator=g)
             got = program.methods["audio_encoder"](mel)[0]
-            want = eager.encode_audio(mel)
+            want = AudioEncoderMethod(eager)(mel)
             assert got.shape == (1, n * TOKENS_PER_CHUNK, eager.config.text.dim)
             _close(got, want, f"audio_encoder, {n} chunk(s)")
 
@@ -246,7 +247,7 @@ def test_audio_encoder_of_a_real_recording_matches_eager(loaded):
     w = torch.from_numpy(pad_to_chunks(load_audio(AUDIO / "speech.wav"), program.manifest.model["max_audio_chunks"]))
     with torch.no_grad():
         got = program.methods["audio_encoder"](program.methods["preprocessor"](w)[0])[0]
-        want = eager.encode_audio(LogMelSpectrogram(eager.config.audio.n_mels)(w))
+        want = AudioEncoderMethod(eager)(LogMelSpectrogram(eager.config.audio.n_mels)(w))
     _close(got, want, "preprocessor -> audio_encoder")
 
 
@@ -263,7 +264,7 @@ def test_token_embedding_matches_eager_exactly(loaded):
     strided = torch.arange(600).reshape(1, 600)[:, ::2]  # not contiguous: the delegate must cope
     for ids in (torch.tensor([[1]]), torch.tensor([[0, 3, 24, 25, V - 1]]), strided, torch.tensor([[7]])):
         got = program.methods["token_embedding"](ids)[0]
-        assert torch.equal(got, eager.embed(ids))
+        assert torch.equal(got, TokenEmbeddingMethod(eager)(ids))
 
 
 def test_text_decoder_prefill_and_decode_match_eager_with_kv_state(loaded):
@@ -286,8 +287,8 @@ def test_text_decoder_prefill_and_decode_match_eager_with_kv_state(loaded):
         audio = m["audio_encoder"](mel)[0]
         embeds = m["token_embedding"](ids)[0].clone()
         embeds[0, ids[0] == sp["audio"]] = audio[0]
-        eager_embeds = eager.embed(ids)
-        eager_embeds[0, ids[0] == sp["audio"]] = eager.encode_audio(mel)[0]
+        eager_embeds = TokenEmbeddingMethod(eager)(ids)
+        eager_embeds[0, ids[0] == sp["audio"]] = AudioEncoderMethod(eager)(mel)[0]
         _close(embeds, eager_embeds, "prefill embeddings")
 
         for run in range(2):  # a second prompt after reset_state must give the same answers

@@ -20,6 +20,7 @@ from conftest import FIXTURES, OTHER_HF_CONFIG, save_hf_checkpoint
 from runner.audio import TOKENS_PER_CHUNK
 from runner.export.checkpoint import load_checkpoint
 from runner.families.voxtral.tokenizer import Tekken
+from runner.models.voxtral import AudioEncoderMethod, TokenEmbeddingMethod
 
 ATOL = 5e-5  # ~10x the worst error measured here (5.6e-6, other config, eager attention); logits ~4
 CONFIGS = {
@@ -63,9 +64,9 @@ class Pair:
         return torch.tensor([ids])
 
     def prefill_embeds(self, input_ids: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
-        """Our path: encode_audio(mel), token embeddings, audio embeddings scattered at the [AUDIO] positions."""
-        embeds = self.ours.embed(input_ids)
-        audio = self.ours.encode_audio(mel)
+        """Our path: the audio_encoder method on mel, token embeddings, audio embeddings scattered at the [AUDIO] positions."""
+        embeds = TokenEmbeddingMethod(self.ours)(input_ids)
+        audio = AudioEncoderMethod(self.ours)(mel)
         where = (input_ids[0] == self.audio_id).nonzero()[:, 0]
         assert audio.shape == (1, len(where), embeds.shape[-1])
         embeds[0, where] = audio[0]
@@ -109,7 +110,7 @@ def test_audio_embeddings_match_transformers(pair, n_chunks):
     mel = _mel(n_chunks, seed=n_chunks)
     with torch.no_grad():
         theirs = pair.hf.get_audio_features(mel, return_dict=True).pooler_output
-        ours = pair.ours.encode_audio(mel)
+        ours = AudioEncoderMethod(pair.ours)(mel)
     theirs = theirs.reshape(ours.shape)
     err = (ours - theirs).abs().max().item()
     assert err <= ATOL, f"audio embeddings differ by {err:.3g}"
@@ -131,7 +132,7 @@ def test_prefill_logits_match_transformers_at_every_position(pair, n_chunks):
     # the audio positions matter: without the scatter, the last logits move far beyond the tolerance
     with torch.no_grad():
         pair.ours.reset_caches()
-        blind = pair.ours.decoder()(pair.ours.embed(input_ids), torch.arange(S))
+        blind = pair.ours.decoder()(TokenEmbeddingMethod(pair.ours)(input_ids), torch.arange(S))
     assert (blind - theirs[:, -1]).abs().max() > 100 * ATOL
 
 

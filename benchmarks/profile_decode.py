@@ -143,7 +143,6 @@ def main() -> int:
     p.add_argument("bundle")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-ceilings", action="store_true", help="skip part 1 (the GEMV ceilings)")
-    p.add_argument("--greedy-chain", type=int, default=RuntimeOptions.greedy_chain, help="greedy steps per replay")
     p.add_argument("--no-pdl", action="store_true", help="plain graph edges even where the kernels wait")
     args = p.parse_args()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -152,7 +151,7 @@ def main() -> int:
         gemv_ceilings()
 
     program = Program.load(args.bundle, device="cuda")
-    engine = ProgramEngine(program, RuntimeOptions(greedy_chain=args.greedy_chain, pdl=not args.no_pdl))
+    engine = ProgramEngine(program, RuntimeOptions(pdl=not args.no_pdl))
     engine.reset()  # captures the decode graph
     tok = engine.graph.token
     g = torch.Generator().manual_seed(0)
@@ -185,18 +184,6 @@ def main() -> int:
     end.record()
     torch.cuda.synchronize()
     print(f"## decode step: graph replays back to back: {start.elapsed_time(end) / 100:.3f} ms/step\n")
-    if engine.chain is not None:  # greedy: GREEDY_CHAIN steps per replay, each argmax feeding the next step
-        n = engine.chain.steps
-        replays = 96 // n  # positions 385..481: the bench's range
-        engine.chain.run(tok, pos)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(replays):
-            engine.chain.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / (replays * n)
-        print(f"## greedy chain of {n} steps: replays back to back: {ms:.3f} ms/token\n")
     with profile(activities=acts) as prof:
         for _ in range(args.steps):
             engine.graph.graph.replay()

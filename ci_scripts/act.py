@@ -11,7 +11,6 @@ upload and download actions each log the zip's sha256). Exit status: act's, or 1
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import socket
@@ -103,8 +102,7 @@ def tool_cache(workdir: Path) -> Path:
     root = workdir / "action-cache" / "tool_cache"
     python = root / "Python" / version / "x64"
     if not (python / "bin" / "python").exists():
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(python)], check=True)
-        subprocess.run([str(python / "bin" / "python"), "-m", "ensurepip", "-q"], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(python)], check=True)
     (root / "Python" / version / "x64.complete").touch()
     return root
 
@@ -121,7 +119,9 @@ def clone(workdir: Path) -> Path:
 
 
 def docker_daemon() -> bool:
-    return shutil.which("docker") is not None and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+    return (
+        shutil.which("docker") is not None and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+    )
 
 
 def free_port() -> int:
@@ -131,7 +131,9 @@ def free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("jobs", nargs="*", help="jobs to run with everything they need (default: every job)")
     p.add_argument("--workflow", type=Path, default=WORKFLOW)
     p.add_argument("--workdir", type=Path, default=ROOT / "artifacts" / "act", help="artifacts, caches, logs")

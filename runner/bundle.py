@@ -295,6 +295,8 @@ def write_manifest(bundle_dir: Path, manifest: Manifest) -> Path:
 def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST_NAME
+    if bundle_dir.name == MANIFEST_NAME and bundle_dir.is_file():  # a common slip: DIR/model.pte for DIR
+        raise BundleError(f"{bundle_dir}: that is the manifest; pass the bundle directory, {bundle_dir.parent}")
     if not bundle_dir.is_dir():
         raise BundleError(f"{bundle_dir}: no such bundle directory")
     if not path.is_file():

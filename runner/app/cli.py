@@ -6,11 +6,13 @@ Errors a user can cause end as one `error: …` line and exit code 1 (`--debug` 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
 from pathlib import Path
 
+from runner.app.bench.args import add_arguments as add_bench  # the flags only, no torch
 from runner.app.options import Environment, add_runtime_flags, runtime_options
 from runner.errors import RunnerError
 
@@ -117,13 +119,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", type=Path, required=True)
+    p.add_argument("--bundle", type=Path, required=True, help="bundle directory (python -m runner export)")
     p.add_argument("--audio", type=Path, action="append", required=True, help="audio file (repeatable)")
     p.add_argument("--prompt", default=None, help="chat prompt about the audio (default: transcription)")
     p.add_argument("--language", default=None, help="transcription language, e.g. en")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (temperature > 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most, per audio file")
     p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
@@ -139,7 +141,8 @@ def add_run(p: argparse.ArgumentParser) -> None:
         "--expect-tokens",
         type=Path,
         default=None,
-        help="golden JSON {audio file name: [token ids]}; fail on any difference",
+        help="golden JSON {audio file name: [token ids]}; fail on any difference in the tokens both have (a "
+        "prefix check: any --max-new-tokens works)",
     )
     p.add_argument(
         "--wer",
@@ -174,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle", type=Path)
+    p.add_argument("bundle", type=Path, help="bundle directory")
     p.add_argument("--json", action="store_true", help="print the raw manifest")
     p.add_argument("--no-verify", action="store_true", help="skip the digest check")
 
@@ -235,49 +238,86 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     console.print(files)
 
 
+# ---------------------------------------------------------------- fetch
+
+
+def add_fetch(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repo", required=True, help="OWNER/NAME of the repository whose CI built the bundle")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run-id", type=int, help="workflow run id (the number in .../actions/runs/ID)")
+    which.add_argument("--latest", action="store_true", help="the newest successful run with that artifact")
+    p.add_argument("--branch", help="with --latest: only runs on this branch")
+    p.add_argument("--workflow", help="with --latest: only runs of this workflow file (e.g. ci.yml, cuda.yml)")
+    p.add_argument("--name", required=True, help="artifact name, e.g. voxtral-bundle-tiny-cpu-fp32")
+    p.add_argument("--dest", help="directory the bundle's files land in (default: artifacts/NAME)")
+    # the URL is runner.app.github.DEFAULT_API_URL, written out: that module imports requests
+    p.add_argument(
+        "--api-url", default=None, help="GitHub API root (default: $GITHUB_API_URL, else https://api.github.com)"
+    )
+    p.add_argument("--force", action="store_true", help="replace a non-empty --dest")
+    p.add_argument("--allow-forks", action="store_true", help="with --latest: also consider fork PR runs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 # ---------------------------------------------------------------- the parser
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default, except None and False: those mean "unset" or "off" (and the help says why)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_common_flags(p: argparse.ArgumentParser, before_verb: bool) -> None:
+    """-v and --debug, before the verb and after it. After it the default is SUPPRESS: the verb's parser sets
+    them only when given, so it never resets a value given before the verb."""
+    unset = argparse.SUPPRESS
+    p.add_argument(
+        "-v", "--verbose", action="count", default=0 if before_verb else unset, help="-v: per-method detail, -vv: debug"
+    )
+    p.add_argument("--debug", action="store_true", default=False if before_verb else unset, help="show tracebacks")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    """The whole CLI without importing torch (or requests): each verb imports what it needs when it runs."""
+    fmt = _HelpFormatter
     p = argparse.ArgumentParser(
         prog="python -m runner",
         formatter_class=fmt,
         description="Voxtral on AOTInductor: export a bundle, run it, time it, inspect it, or fetch one from a CI run.",
     )
-    p.add_argument("-v", "--verbose", action="count", default=0, help="-v: per-method detail, -vv: debug")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_common_flags(p, before_verb=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common_flags(common, before_verb=False)
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     verbs = {
         "export": (add_export, cmd_export, "build a bundle (.so per method, weights, model.pte)"),
         "run": (add_run, cmd_run, "transcribe / answer about audio files with a bundle"),
         "inspect": (add_inspect, cmd_inspect, "show a bundle's manifest"),
+        "bench": (add_bench, _verb("runner.app.bench.verb"), "time a bundle beside the eager model"),
+        "fetch": (add_fetch, _verb("runner.app.fetch"), "download a bundle artifact from a GitHub Actions run"),
     }
     for name, (add, fn, help_) in verbs.items():
-        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
+        sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt, parents=[common])
         add(sp)
         sp.set_defaults(fn=fn)
-    _add_optional_verb(sub, fmt, "bench", "runner.app.bench.verb", "time a bundle beside the eager model")
-    _add_optional_verb(sub, fmt, "fetch", "runner.app.fetch", "download a bundle artifact from a GitHub Actions run")
     return p
 
 
-def _add_optional_verb(sub, fmt, name: str, module: str, help_: str) -> None:
-    import importlib
+def _verb(module: str):
+    """A verb whose implementation (and its torch) is imported only when it runs."""
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:  # keep the other verbs usable where a verb's extras are not installed
-        sp = sub.add_parser(name, help=f"{help_} (unavailable: {e})")
-        sp.set_defaults(fn=lambda args, e=e: _unavailable(name, e))
-        return
-    sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
-    mod.add_arguments(sp)
-    sp.set_defaults(fn=mod.main)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # the other verbs stay usable where this one's extras are not installed
+            raise RunnerError(f"{args.verb} is unavailable here: {e}") from e
+        return mod.main(args)
 
-
-def _unavailable(name: str, e: Exception) -> int:
-    raise RunnerError(f"{name} is unavailable here: {e}")
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -301,23 +301,6 @@ def fetch_artifact(
     return dest
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repo", required=True, help="OWNER/NAME of the repository whose CI built the bundle")
-    which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--run-id", type=int, help="workflow run id (the number in .../actions/runs/ID)")
-    which.add_argument("--latest", action="store_true", help="the newest successful run with that artifact")
-    parser.add_argument("--branch", help="with --latest: only runs on this branch")
-    parser.add_argument("--workflow", help="with --latest: only runs of this workflow file (e.g. ci.yml, cuda.yml)")
-    parser.add_argument("--name", required=True, help="artifact name, e.g. voxtral-bundle-tiny-cpu-fp32")
-    parser.add_argument("--dest", help="directory the bundle's files land in (default: artifacts/NAME)")
-    parser.add_argument(
-        "--api-url", default=None, help=f"GitHub API root (default: $GITHUB_API_URL, else {DEFAULT_API_URL})"
-    )
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --dest")
-    parser.add_argument("--allow-forks", action="store_true", help="with --latest: also consider fork PR runs")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr)

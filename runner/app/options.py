@@ -5,7 +5,6 @@ into option values that everything below takes as arguments.
                                     else ~/.cache/voxtral-runner)
     VOXTRAL_RUNNER_PDL=0            no programmatic dependent launch: `export` leaves the wait out of the decode
                                     kernels, `run`/`bench` capture plain graph edges (as --no-pdl)
-    VOXTRAL_RUNNER_GREEDY_CHAIN=N   greedy steps per decode-graph replay (as --greedy-chain N)
     VOXTRAL_RUNNER_REHASH=1         hash every bundle file again, ignoring remembered digests (as --rehash)
     DEBUG=1                         export: AOTI debug compile, generated sources kept in OUT/debug (as --debug-compile)
     GITHUB_TOKEN / GH_TOKEN         fetch: the token (never printed, never sent to the storage host)
@@ -22,8 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.errors import RunnerError
-from runner.runtime.options import GREEDY_CHAIN, RuntimeOptions
+from runner.runtime.options import RuntimeOptions
 
 TOKEN_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
 
@@ -32,7 +30,6 @@ TOKEN_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
 class Environment:
     cache_dir: Path
     pdl: bool = True
-    greedy_chain: int = GREEDY_CHAIN
     rehash: bool = False
     debug_compile: bool = False
     github_token: str | None = field(default=None, repr=False)  # a secret: never in a repr, a log or an error
@@ -47,14 +44,10 @@ class Environment:
         cache = env.get("VOXTRAL_RUNNER_CACHE") or os.path.join(
             env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "voxtral-runner"
         )
-        chain = env.get("VOXTRAL_RUNNER_GREEDY_CHAIN", str(GREEDY_CHAIN))
-        if not chain.isdigit() or int(chain) < 1:
-            raise RunnerError(f"VOXTRAL_RUNNER_GREEDY_CHAIN={chain!r}: a whole number of steps, at least 1")
         token = next((env[v].strip() for v in TOKEN_VARS if env.get(v, "").strip()), None)
         return cls(
             cache_dir=Path(cache),
             pdl=env.get("VOXTRAL_RUNNER_PDL", "1") != "0",
-            greedy_chain=int(chain),
             rehash=env.get("VOXTRAL_RUNNER_REHASH") == "1",
             debug_compile=env.get("DEBUG") == "1",
             github_token=token,
@@ -71,24 +64,13 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-pdl", action="store_true", help="CUDA: capture plain graph edges even where the bundle's kernels wait"
     )
-    p.add_argument(
-        "--greedy-chain",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"CUDA: greedy steps per decode-graph replay (default {GREEDY_CHAIN}, or VOXTRAL_RUNNER_GREEDY_CHAIN)",
-    )
     p.add_argument("--rehash", action="store_true", help="hash every bundle file again (ignore remembered digests)")
 
 
 def runtime_options(args: argparse.Namespace, env: Environment) -> RuntimeOptions:
-    chain = env.greedy_chain if getattr(args, "greedy_chain", None) is None else args.greedy_chain
-    if chain < 1:
-        raise RunnerError(f"--greedy-chain {chain}: a whole number of steps, at least 1")
     return RuntimeOptions(
         cuda_graph=not getattr(args, "no_cuda_graph", False),
         pdl=env.pdl and not getattr(args, "no_pdl", False),
-        greedy_chain=chain,
         rehash=env.rehash or getattr(args, "rehash", False),
         cache_dir=env.cache_dir,
     )

@@ -133,11 +133,7 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
             want = golden.get(Path(path).name)
             if want is None:
                 failures.append(f"{args.expect_tokens}: no golden tokens for {Path(path).name}")
-            elif want != result.tokens:
-                diff = next(
-                    (i for i, (a, b) in enumerate(zip(want, result.tokens)) if a != b),
-                    min(len(want), len(result.tokens)),
-                )
+            elif (diff := golden_mismatch(want, result.tokens)) is not None:
                 failures.append(f"{path}: tokens differ from {args.expect_tokens.name} at index {diff}")
         print(stats.observer_line(), file=sys.stderr)
         for line in stats.human_lines():
@@ -157,6 +153,13 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
             print(f"error: {f}", file=sys.stderr)
         raise RunnerError(failures[-1])
     return 0
+
+
+def golden_mismatch(golden: list[int], ours: list[int]) -> int | None:
+    """The index of the first token where ours and the golden ones differ, or None. Compared as a prefix, over
+    the tokens both have, so any --max-new-tokens can be checked. Stopping early at </s> is no free pass: the
+    </s> is one of our tokens, compared with the golden token at its index."""
+    return next((i for i, (a, b) in enumerate(zip(golden, ours)) if a != b), None)
 
 
 def _read_golden(path: Path, program: Program) -> dict[str, list[int]] | None:

@@ -19,11 +19,12 @@ from safetensors.torch import save_file
 
 from runner.bundle import sha256_file
 from runner.errors import ExportError
+from runner.fixtures import fixtures_dir
 from runner.models.state import load_state
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_config import VoxtralConfig, preset
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURES = fixtures_dir()  # the checkout's fixtures/, or the installed copy
 TINY_CHECKPOINT = FIXTURES / "voxtral-tiny"  # config.json (tokenizer: fixtures/tekken.json); weights are seeded
 TINY_SEED = 0
 

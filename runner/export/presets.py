@@ -48,6 +48,8 @@ def load(
     device: str,
     cache_dir: Path,
 ) -> Start:
+    if preset is not None and preset not in PRESETS:
+        raise RunnerError(f"--preset {preset}: unknown; choose from {', '.join(PRESETS)}")
     if preset in WHISPER_PRESETS:
         from runner.export.whisper import export_whisper
         from runner.export.whisper_convert import load_whisper

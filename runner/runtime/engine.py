@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from runner.errors import GenerationError
-from runner.runtime.graphs import DecodeGraph, GreedyChainGraph, PrefillGraphs
+from runner.runtime.graphs import DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Method, Program
 
@@ -31,9 +31,6 @@ class Engine(Protocol):
     def reset(self) -> None: ...
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor: ...  # [1,1] -> logits [1, V]
     def run_prefill(self, compute, inputs: list[torch.Tensor]): ...  # compute(engine, *inputs), maybe graphed
-
-    # Optional: `decode_greedy(token, pos, n)` -> the next n greedy tokens [1, n] on the device, and
-    # `greedy_chain` (the n it runs fastest, as one launch). Without them, greedy_steps() below.
 
 
 class CrossAttended:
@@ -62,8 +59,8 @@ def extra_inputs(cross: CrossAttended | None) -> tuple[torch.Tensor, ...]:
 
 
 class ProgramEngine:
-    """A loaded Program as an Engine. On CUDA (unless options.cuda_graph is off) the decode step is a CUDA graph,
-    greedy decoding replays chains of steps, and repeated prefill shapes replay one graph each."""
+    """A loaded Program as an Engine. On CUDA (unless options.cuda_graph is off) the decode step is a CUDA graph
+    and repeated prefill shapes replay one graph each."""
 
     def __init__(self, program: Program, options: RuntimeOptions | None = None, cross_attention: bool = False):
         options = options or RuntimeOptions()
@@ -86,7 +83,6 @@ class ProgramEngine:
                 torch.zeros(shape, dtype=dtype, device=self.device) if self.use_cuda_graph else None
             )
         self.graph: DecodeGraph | None = None
-        self.chain: GreedyChainGraph | None = None
         # the bundle's decode kernels wait before reading (manifest `pdl`): their graph edges may be programmatic
         self.pdl = bool(model.get("pdl")) and self.use_cuda_graph and options.pdl
         # a cross-attended prefill is not captured: its graph was never measured or tested
@@ -129,21 +125,7 @@ class ProgramEngine:
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
             self.graph = DecodeGraph(self.graph_step, self.device, overlap=self.pdl)
-            steps = self.options.greedy_chain
-            if 1 < steps <= self.max_seq_len:
-                self.chain = GreedyChainGraph(self.graph_step, steps, self.device, overlap=self.pdl)
-        if self.chain is not None:
-            self.chain.restart()
         self.program.reset_state()
-
-    @property
-    def greedy_chain(self) -> int:
-        return self.chain.steps if self.chain is not None else 1
-
-    def decode_greedy(self, token: torch.Tensor, pos: int, n: int) -> torch.Tensor:
-        if self.chain is not None and n == self.chain.steps:
-            return self.chain.run(token, pos)
-        return greedy_steps(self, token, pos, n)
 
     def graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """token_embedding + the decoder at one position, capturably: what a decode graph records."""
@@ -173,15 +155,6 @@ def decode_token(e: Engine, token: torch.Tensor, pos: int, decode=None) -> torch
     position is filled on the device (torch.full), not copied from the host: a host copy would wait for the step
     queued before it."""
     return (decode or e.decode)(e.embed(token.view(1, 1)), torch.full((1,), pos, dtype=torch.int64, device=e.device))
-
-
-def greedy_steps(e: Engine, token: torch.Tensor, pos: int, n: int) -> torch.Tensor:
-    """n greedy decode steps from token [1, 1] at pos, queued on the device with no host sync -> tokens [1, n]."""
-    out = []
-    for i in range(n):
-        token = e.decode_token(token, pos + i).argmax(dim=-1, keepdim=True)
-        out.append(token)
-    return out[0] if n == 1 else torch.cat(out, dim=1)
 
 
 def to_encoder_dtype(mel: torch.Tensor, want: torch.dtype) -> torch.Tensor:

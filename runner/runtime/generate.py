@@ -20,7 +20,7 @@ import torch
 from runner.audio import SAMPLE_RATE, pad_to_chunks
 from runner.errors import GenerationError
 from runner.runtime.detokenize import StreamDecoder, Tokenizer
-from runner.runtime.engine import Engine, greedy_steps, to_encoder_dtype
+from runner.runtime.engine import Engine, to_encoder_dtype
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts
@@ -258,7 +258,7 @@ class MultimodalRunner:
             limit = opts.max_new_tokens if forced is None else min(opts.max_new_tokens, len(forced))
             pick = _Picker(sampler, forced, opts.record_logits, e.device, stats)
             greedy = forced is None and sampler.generator is None and not opts.record_logits
-            advance = greedy_advance(e) if greedy else lambda token, pos, n, room: pick(e.decode_token(token, pos), n)
+            advance = greedy_advance(e) if greedy else lambda token, pos, n: pick(e.decode_token(token, pos), n)
             for tok_id, chosen_from in token_stream(e, lambda: pick(logits, 0), len(prompt_ids), limit, advance):
                 if not tokens:
                     stats.first_token_ms = now_ms()
@@ -302,51 +302,40 @@ class _Picker:
         return token, kept
 
 
-def greedy_advance(e: Engine):
-    """token_stream's advance for greedy decoding with nothing recorded: in chains. The engine's `decode_greedy`
-    queues k steps at once (one CUDA-graph replay for a whole chain) and the host reads a chain's tokens with one
-    copy. A tail shorter than a chain (the token limit, the context's end) runs step by step."""
-    decode_greedy = getattr(e, "decode_greedy", None) or (lambda t, p, k: greedy_steps(e, t, p, k))
-    chain = getattr(e, "greedy_chain", 1)
-
-    def advance(token: torch.Tensor, pos: int, n: int, room: int):
-        return decode_greedy(token, pos, chain if room >= chain else 1), None  # the argmax is the step's own
-
-    return advance
-
-
 def token_stream(e: Engine, first, pos: int, limit: int, advance) -> Iterator[tuple[int, torch.Tensor | None]]:
     """Yields (token id, the logits it was chosen from or None). first() gives the first token (from the
-    prefill's logits); advance(token, pos, n, room) queues the steps after `token` at `pos` and gives their
-    tokens [1, k], k <= room, with n tokens chosen so far. After the first token, the next steps are queued on
-    the device before the host waits for these, so the host's per-step work (reading ids, streaming text)
-    overlaps the GPU's and the GPU does not idle between steps. Launches stop at `limit` tokens or the end of the
-    context; a consumer that stops at EOS leaves queued steps behind, which the reset() after it follows on the
-    same stream."""
+    prefill's logits); advance(token, pos, n) queues the step after `token` at `pos`, with n tokens chosen so far,
+    and gives its token [1, 1]. After the first token, the next step is queued on the device before the host
+    waits for this one, so the host's per-step work (reading ids, streaming text) overlaps the GPU's and the GPU
+    does not idle between steps. Launches stop at `limit` tokens or the end of the context; a consumer that stops
+    at EOS leaves a queued step behind, which the reset() after it follows on the same stream."""
     queue, n, ahead = deque(), 0, 0  # ahead 0 for the first token: it is the TTFT
 
-    def launch(tokens: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    def launch(token: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
         nonlocal n
-        queue.append((tokens.to("cpu", non_blocking=True), kept, _recorded_event(e.device)))
-        n += tokens.shape[1]
-        return tokens[:, -1:]
+        queue.append((token.to("cpu", non_blocking=True), kept, _recorded_event(e.device)))
+        n += 1
+        return token
 
     if limit < 1:
         return
     token = launch(*first())
     while True:
         while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
-            tokens, kept = advance(token, pos, n, min(limit - n, e.max_seq_len - pos))
-            token = launch(tokens, kept)
-            pos += tokens.shape[1]
+            token = launch(*advance(token, pos, n))
+            pos += 1
         if not queue:
             return
         host, kept, done = queue.popleft()
         done.synchronize()
         ahead = 1
-        kept = kept.cpu() if kept is not None else None
-        for tok_id in host.view(-1).tolist():
-            yield int(tok_id), kept
+        yield int(host), kept.cpu() if kept is not None else None
+
+
+def greedy_advance(e: Engine):
+    """token_stream's advance for greedy decoding with nothing recorded: the argmax stays on the device, and no
+    logits are copied."""
+    return lambda token, pos, n: (e.decode_token(token, pos).argmax(dim=-1, keepdim=True), None)
 
 
 class _Done:

@@ -1,5 +1,5 @@
-"""CUDA graphs: one warm-up-then-capture helper, and the three graphs built on it (the decode step, a greedy
-chain of decode steps, the prefill per input shape). Each takes callables and a device, not an engine: what
+"""CUDA graphs: one warm-up-then-capture helper, and the graphs built on it (the decode step, the prefill per
+input shape). Each takes callables and a device, not an engine: what
 runs inside is the caller's business (runner/runtime/engine.py passes capturable method calls)."""
 
 from __future__ import annotations
@@ -80,48 +80,6 @@ class DecodeGraph:
         self.pos.fill_(pos)
         self.graph.replay()
         return self.logits  # static: read it before the next step
-
-
-class GreedyChainGraph:
-    """`steps` greedy decode steps as one CUDA graph: step k embeds the argmax of step k - 1 and runs at the next
-    position, both advanced on the device. The last token and the position after it stay in the graph's inputs,
-    so a chain that continues the previous one needs nothing written before its replay. Up to 2 * steps - 1
-    steps may run past an EOS (two chains are kept queued); they only write cache positions the next reset
-    wipes."""
-
-    def __init__(self, step: Step, steps: int, device: str, overlap: bool = False):
-        i64 = torch.int64
-        self.steps = steps
-        self.token = torch.zeros(1, 1, dtype=i64, device=device)  # the input token, then the last one chosen
-        self.pos = torch.zeros(1, dtype=i64, device=device)  # the next step's position
-        self.out = torch.zeros(1, steps, dtype=i64, device=device)
-        self.next_pos = -1  # host copy of self.pos after the last replay (-1: unknown)
-        chosen = [torch.zeros(1, 1, dtype=i64, device=device) for _ in range(steps)]
-
-        def run() -> torch.Tensor:
-            token = self.token
-            for t in chosen:
-                torch.argmax(step(token, self.pos), dim=-1, keepdim=True, out=t)
-                self.pos.add_(1)
-                token = t
-            torch.cat(chosen, dim=1, out=self.out)
-            self.token.copy_(chosen[-1])
-            return self.out
-
-        self.graph = capture_graph(run, device, overlap).graph
-
-    def restart(self) -> None:
-        """A new input: the next chain starts from the token it is given."""
-        self.next_pos = -1
-
-    def run(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        """The next `steps` greedy tokens after token [1, 1] at pos -> [1, steps], valid until the next run."""
-        if pos != self.next_pos or token.data_ptr() != self.out[:, -1:].data_ptr():  # not where the last chain ended
-            self.token.copy_(token.view(1, 1))
-            self.pos.fill_(pos)
-        self.graph.replay()
-        self.next_pos = pos + self.steps
-        return self.out
 
 
 class PrefillGraphs:

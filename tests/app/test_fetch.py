@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from runner.app import fetch
+from runner.app.cli import add_fetch
 from runner.app.options import Environment
 from runner.bundle import verify_bundle
 from runner.errors import FetchError
@@ -389,7 +390,7 @@ def test_progress_bar_does_not_break_the_download(gh, tmp_path, sleeps):
 
 def parse(argv):
     p = argparse.ArgumentParser()
-    fetch.add_arguments(p)
+    add_fetch(p)
     return p.parse_args(argv)
 
 

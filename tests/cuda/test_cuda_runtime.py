@@ -11,7 +11,6 @@ from conftest import AUDIO, export_cached, runner_for
 from runner.audio import load_audio
 from runner.families.voxtral import chat_prompt
 from runner.runtime.generate import GenerationOptions
-from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -91,40 +90,12 @@ def test_decode_steps_run_the_kernels_and_match_text_decoder(cuda_bundle):
         assert (got - want).abs().max() <= 5e-2 * want.abs().max()  # the export self-check's bf16 tolerance
 
 
-def test_greedy_chains_give_the_step_by_step_tokens(cuda_bundle):
-    """Greedy decoding through the CUDA graph of 8 steps (each argmax feeding the next step in the
-    graph) against the one-step graph (record_logits takes that path) and against no graph at all: the same
-    kernels, so the same tokens. 1 + 3 chains + 4 single steps; a second run starts its first chain afresh."""
-    GREEDY_CHAIN = 8
-    n = 1 + 3 * GREEDY_CHAIN + GREEDY_CHAIN // 2
-    program = Program.load(cuda_bundle)
-    runner = runner_for(program, RuntimeOptions(greedy_chain=GREEDY_CHAIN))
-    prompt = _prompt(runner, "What is said?")
-    engine = runner.engine
-    engine.reset()
-    assert engine.chain is not None and engine.greedy_chain == GREEDY_CHAIN
-    replays = []
-    run = engine.chain.run
-    engine.chain.run = lambda token, pos: replays.append(pos) or run(token, pos)
-    greedy = GenerationOptions(max_new_tokens=n, min_new_tokens=n)
-    chained = [runner.generate(prompt, greedy) for _ in range(2)]
-    stepwise = runner.generate(prompt, GenerationOptions(max_new_tokens=n, min_new_tokens=n, record_logits=True))
-    start = len(chained[0].prompt_ids)
-    assert replays == [start + i * GREEDY_CHAIN for i in range(3)] * 2
-    assert chained[0].tokens == chained[1].tokens == stepwise.tokens and len(stepwise.tokens) == n
-    assert [int(x.argmax()) for x in stepwise.logits] == stepwise.tokens
-    program.close()
-    with Program.load(cuda_bundle) as program:
-        plain = runner_for(program, RuntimeOptions(cuda_graph=False))
-        assert plain.generate(prompt, greedy).tokens == stepwise.tokens
-
-
 def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
-    """PDL (runner/runtime/pdl.py) on the greedy chain: every GEMV and attention launch of every step gets a programmatic
-    edge (AOTInductor's kernel names are found in the graph), and a chain replayed with those edges gives the
-    tokens of one captured with plain edges, from the same prompt and cache."""
+    """PDL (runner/runtime/pdl.py) in the decode graph: every GEMV and attention launch of the step gets a
+    programmatic edge (AOTInductor's kernel names are found in the graph), and the step replayed with those edges
+    gives the tokens of one captured with plain edges, from the same prompt and cache."""
     from runner.runtime import pdl
-    from runner.runtime.graphs import GreedyChainGraph
+    from runner.runtime.graphs import DecodeGraph
 
     engine = runner.engine
     if not engine.pdl:
@@ -141,14 +112,15 @@ def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
     graph.replay()
 
     prompt = _prompt(runner, "What is said?")
-    chains = {}
+    runs = {}
     for overlap in (True, False):
         engine.reset()
-        chain = GreedyChainGraph(engine.graph_step, 4, "cuda", overlap=overlap)
+        graph = DecodeGraph(engine.graph_step, "cuda", overlap=overlap)
         engine.reset()
         logits, ids = runner.prefill(prompt)
-        first = logits.argmax(dim=-1, keepdim=True)
-        out = [chain.run(first, len(ids)).clone()]
-        out.append(chain.run(out[-1][:, -1:], len(ids) + 4).clone())
-        chains[overlap] = torch.cat(out, dim=1).tolist()
-    assert chains[True] == chains[False]
+        token, out = logits.argmax(dim=-1, keepdim=True), []
+        for i in range(8):
+            token = graph.step(token, len(ids) + i).argmax(dim=-1, keepdim=True)
+            out.append(int(token))
+        runs[overlap] = out
+    assert runs[True] == runs[False]

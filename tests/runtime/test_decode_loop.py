@@ -1,8 +1,7 @@
 """The decode loop's contract, on a scripted engine whose next token is a known function of (token, position):
 the same tokens and stop reasons as a plain one-step-at-a-time loop, while keeping one step queued ahead; no
 step at or past the end of the context; recorded logits that are the ones each token was chosen from even when
-the engine overwrites one logits buffer every step (as a CUDA-graph replay does); greedy steps queued in chains
-(as ProgramEngine's CUDA graph of several steps runs them) giving the same tokens."""
+the engine overwrites one logits buffer every step (as a CUDA-graph replay does)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 
 from runner.errors import GenerationError
 from runner.families.voxtral.tokenizer import Tekken
-from runner.runtime.engine import greedy_steps
 from runner.runtime.generate import GenerationOptions, MultimodalRunner, TextSegment
 
 TEKKEN = Path(__file__).resolve().parents[2] / "fixtures" / "tekken.json"
@@ -101,43 +99,6 @@ def test_context_end_stops_without_a_step_past_it(max_seq_len):
     assert max(p for _, p in engine.steps) == max_seq_len - 1
 
 
-class ChainedEngine(ScriptedEngine):
-    """Greedy steps queued `greedy_chain` at a time, as ProgramEngine's CUDA-graph chain does on a GPU."""
-
-    greedy_chain = 4
-
-    def __init__(self, max_seq_len: int = 512):
-        super().__init__(max_seq_len)
-        self.chains: list[tuple[int, int]] = []  # (position, steps) of every decode_greedy call
-
-    def decode_greedy(self, token, pos, n):
-        self.chains.append((pos, n))
-        return greedy_steps(self, token, pos, n)
-
-
-@pytest.mark.parametrize("first", [1, 4, 7, 11, 30])
-@pytest.mark.parametrize("max_new, min_new", [(1, 0), (5, 0), (6, 6), (40, 0), (40, 40), (200, 0)])
-@pytest.mark.parametrize("max_seq_len", [512, 23])
-def test_greedy_chains_give_the_one_step_loops_tokens(first, max_new, min_new, max_seq_len):
-    """Chains of 4 steps: the same tokens and stop reasons as the plain loop; whole chains only where the token
-    limit and the context leave room for 4 more, single steps after; at most two chains queued past the last
-    token read; no step at or past the context's end, none past the token limit."""
-    prompt = [1, first]
-    opts = GenerationOptions(max_new_tokens=max_new, min_new_tokens=min_new)
-    engine = ChainedEngine(max_seq_len)
-    result = MultimodalRunner(engine, Tekken.from_file(TEKKEN), None).generate([TextSegment(tuple(prompt))], opts)
-    want, reason = reference(prompt, opts, max_seq_len)
-    assert (result.tokens, result.stop_reason) == (want, reason)
-    positions = [p for _, p in engine.steps]
-    assert positions == list(range(len(prompt), len(prompt) + len(engine.steps)))
-    assert [t for t, _ in engine.steps][: len(want) - 1] == want[:-1]
-    assert len(engine.steps) <= max_new - 1 and (not positions or positions[-1] < max_seq_len)
-    assert len(engine.steps) - (len(want) - 1) <= 2 * 4 - 1
-    for i, (pos, n) in enumerate(engine.chains):  # a single step only where a whole chain did not fit
-        room = min(max_new - (pos - len(prompt) + 1), max_seq_len - pos)
-        assert n == (4 if room >= 4 else 1), (i, pos, n, room)
-
-
 def test_recorded_logits_are_each_tokens_own_despite_one_shared_buffer():
     opts = GenerationOptions(max_new_tokens=30, min_new_tokens=30, record_logits=True)
     _, result = generate([1, 4], opts)
@@ -201,23 +162,3 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_
         assert pos == len(ids)
         torch.testing.assert_close(whole, piecewise, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(whole_next, engine.decode_token(torch.tensor([[5]]), pos), rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "eight", ""])
-def test_a_bad_greedy_chain_setting_is_a_clear_error(value):
-    """The variable is read once, by the CLI's options layer; a bad value names it. The flag's bad values too."""
-    import argparse
-
-    from runner.app.options import Environment, runtime_options
-    from runner.errors import RunnerError
-    from runner.runtime.options import RuntimeOptions
-
-    with pytest.raises(RunnerError, match="VOXTRAL_RUNNER_GREEDY_CHAIN"):
-        Environment.read({"VOXTRAL_RUNNER_GREEDY_CHAIN": value})
-    env = Environment.read({"VOXTRAL_RUNNER_GREEDY_CHAIN": "4"})
-    assert runtime_options(argparse.Namespace(), env).greedy_chain == 4
-    assert runtime_options(argparse.Namespace(greedy_chain=2), env).greedy_chain == 2  # the flag wins
-    with pytest.raises(RunnerError, match="--greedy-chain 0"):
-        runtime_options(argparse.Namespace(greedy_chain=0), env)
-    with pytest.raises(GenerationError, match="greedy chain"):
-        RuntimeOptions(greedy_chain=0)

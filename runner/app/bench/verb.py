@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from runner.app.bench.args import GROUPS, PEERS
 from runner.app.bench.measure import Clock, Plan, bench_ours
 from runner.app.bench.peers import bench_eager, bench_hf
 from runner.app.bench.report import (
@@ -30,76 +31,14 @@ from runner.app.bench.report import (
     write_chart,
     write_json,
 )
-from runner.app.options import Environment, add_runtime_flags
+from runner.app.options import Environment
 from runner.audio import SAMPLE_RATE, TOKENS_PER_CHUNK, load_audio
 from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, read_manifest
 from runner.errors import RunnerError
 from runner.families.voxtral import Tekken, transcription_prompt
 from runner.runtime.generate import GenerationOptions, TextSegment
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_AUDIO = REPO / "fixtures" / "audio" / "speech.wav"
-PEERS = ("eager", "hf", "hf-compile")
-GROUPS = ("load", "method", "e2e", "memory")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--bundle",
-        type=Path,
-        default=None,
-        help="bundle directory (python -m runner export); required unless --from-json",
-    )
-    p.add_argument(
-        "--from-json",
-        type=Path,
-        default=None,
-        help="measure nothing: report (table, --chart, --baseline gate) from an earlier --json output",
-    )
-    p.add_argument(
-        "--device", choices=["cpu", "cuda"], default=None, help="default: the device the bundle was built for"
-    )
-    p.add_argument(
-        "--chunks",
-        type=int,
-        default=1,
-        help=f"30 s audio chunks for the per-method shapes; prefill length = chunks x {TOKENS_PER_CHUNK} + prompt text",
-    )
-    p.add_argument("--audio", type=Path, default=DEFAULT_AUDIO, help="audio file for the end-to-end figures")
-    p.add_argument("--language", default=None, help="e2e: the transcription prompt's language (adds lang:xx, as `run`)")
-    p.add_argument("--runs", type=int, default=None, help="timed runs per figure (default: 5 on CPU, 10 on CUDA)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
-    p.add_argument(
-        "--load-runs", type=int, default=1, help="full loads to time per backend (the first is not a warm-up)"
-    )
-    p.add_argument(
-        "--min-new-tokens",
-        type=int,
-        default=32,
-        help="e2e: generate at least this many tokens (random weights hit </s> at random)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=32, help="e2e: generate at most this many tokens")
-    p.add_argument(
-        "--compare",
-        default="eager",
-        help="comma list of peers: eager (our eager model), hf (transformers' VoxtralForConditionalGeneration), "
-        "hf-compile (the same with a static cache + torch.compile); 'none' for ours only",
-    )
-    add_runtime_flags(p)
-    p.add_argument("--json", type=Path, default=None, help="write the PyTorch OSS benchmark v3 records here")
-    p.add_argument("--chart", type=Path, default=None, help="write a PNG of the latency breakdown here")
-    p.add_argument("--baseline", type=Path, default=None, help="earlier --json output to compare with")
-    p.add_argument(
-        "--max-regression",
-        type=float,
-        default=20.0,
-        help="with --baseline: fail when one of our figures is worse by more than this percentage",
-    )
-    p.add_argument(
-        "--gate",
-        default="method,e2e,memory",
-        help=f"figures the baseline gate checks: metric names or groups ({', '.join(GROUPS)})",
-    )
+REPO = Path(__file__).resolve().parents[3]  # the checkout, for the commit measured
 
 
 # ---------------------------------------------------------------- context and the verb

@@ -154,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         workflow = work / "workflow.yml"
         workflow.write_text(select_jobs(text, args.jobs))
     repo = clone(work)
+    # setup-python's `cache: pip` fails its post step when pip's cache folder does not exist yet (a runner that
+    # never ran pip with a cache, as a fresh machine here): make it, as GitHub's images have it
+    pip_cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True).stdout
+    if pip_cache.strip():
+        Path(pip_cache.strip()).mkdir(parents=True, exist_ok=True)
     python_version = args.python_version or f"{sys.version_info[0]}.{sys.version_info[1]}"
     env = {
         "PYTHON_VERSION": python_version,

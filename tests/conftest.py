@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,16 @@ from runner.export.voxtral import export_voxtral
 from runner.families import family_for
 from runner.runtime.engine import ProgramEngine
 from runner.runtime.generate import MultimodalRunner
+
+# The tests must not depend on where they run. A terminal's or a CI runner's variables change what rich draws
+# (FORCE_COLOR), where job summaries go (GITHUB_STEP_SUMMARY) and what bench records (GITHUB_SHA): every test,
+# and every CLI it starts, begins without them; a test about one of them sets it itself.
+CI_AND_TERMINAL_VARIABLES = (
+    "FORCE_COLOR", "NO_COLOR", "CLICOLOR_FORCE", "COLUMNS", "CI", "GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY",
+    "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_SHA", "GITHUB_TOKEN", "GH_TOKEN", "GITHUB_API_URL",
+)  # fmt: skip
+for _name in CI_AND_TERMINAL_VARIABLES:
+    os.environ.pop(_name, None)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 AUDIO = FIXTURES / "audio"

@@ -6,6 +6,7 @@ Errors a user can cause end as one `error: …` line and exit code 1 (`--debug` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -88,7 +89,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         check=not args.no_check,
         pdl=env.pdl and not args.no_pdl,
     )
-    with console.status(f"exporting {name} ({device}, {dtype})") as status:
+    # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
+    # log file or a pipe, around the lines a reader or a script looks for.
+    spinner = console.status if sys.stderr.isatty() else _PlainStatus(console)
+    with spinner(f"exporting {name} ({device}, {dtype})") as status:
 
         def progress(method: str, phase: str) -> None:
             if phase in ("compiling", "checking against eager"):
@@ -113,6 +117,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
     print(out)
     return 0
+
+
+class _PlainStatus:
+    """console.status's interface for a log: each new phase printed once, as a line."""
+
+    def __init__(self, console):
+        self.console = console
+
+    @contextlib.contextmanager
+    def __call__(self, text: str):
+        self.console.print(text, highlight=False)
+        yield self
+
+    def update(self, text: str) -> None:
+        self.console.print(f"  {text}", highlight=False)
 
 
 # ---------------------------------------------------------------- run

@@ -243,3 +243,20 @@ def test_pyproject_ships_the_fixtures_and_every_runner_package():
                for p in (REPO / "fixtures").glob(g)}  # fmt: skip
     # what the code reads: the tiny preset, bench's default audio; and what the e2e check uses
     assert {"tekken.json", "voxtral-tiny/config.json", "audio/speech.wav", "golden/tiny.json"} <= shipped
+
+
+# ---------------------------------------------------------------- not a terminal, whatever FORCE_COLOR says
+
+
+def test_export_draws_no_spinner_into_a_log_even_with_force_color(tmp_path):
+    """CI sets FORCE_COLOR (rich then treats any stream as a terminal). stderr here is a pipe: the export's
+    progress must be plain lines, and a failure inside it exactly one `error:` line, with no spinner frames."""
+    env = {**ENV, "FORCE_COLOR": "1", "VOXTRAL_RUNNER_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--max-seq-len", "16"]
+    r = subprocess.run([*cmd, "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert errors == ["error: --max-seq-len 16 cannot hold 2 audio chunks (750 tokens) plus a prompt"], r.stderr
+    assert "\r" not in r.stderr and "\x1b[?25l" not in r.stderr  # no carriage-return redraws, no hidden cursor
+    assert "exporting tiny (cpu, fp32)" in r.stderr  # the progress, as a line
+    assert not (tmp_path / "out").exists()

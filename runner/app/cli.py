@@ -276,6 +276,11 @@ def add_fetch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty --dest")
     p.add_argument("--allow-forks", action="store_true", help="with --latest: also consider fork PR runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--files",
+        action="store_true",
+        help="the artifact holds files, not a bundle (e.g. benchmark-NAME results): extract them, no bundle check",
+    )
 
 
 # ---------------------------------------------------------------- the parser

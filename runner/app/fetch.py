@@ -237,6 +237,7 @@ def fetch_artifact(
     progress: bool = True,
     force: bool = False,
     allow_forks: bool = False,
+    bundle: bool = True,
     max_bytes: int = MAX_ARCHIVE_BYTES,
     log: Callable[[str], None] | None = None,
     session: requests.Session | None = None,
@@ -286,18 +287,22 @@ def fetch_artifact(
         staged.mkdir()
         extract_zip(archive, staged, max_bytes=max_bytes)
         archive.unlink()
-        try:
-            manifest = verify_bundle(staged)
-        except BundleError as e:
-            shown = str(e).replace(str(staged), str(dest))
-            raise FetchError(f"artifact {name} of run {run.get('id')} is not a valid bundle: {shown}") from None
+        if bundle:
+            try:
+                manifest = verify_bundle(staged)
+            except BundleError as e:
+                shown = str(e).replace(str(staged), str(dest))
+                raise FetchError(f"artifact {name} of run {run.get('id')} is not a valid bundle: {shown}") from None
+            what = f"{len(manifest.files)} files verified against {MANIFEST_NAME}"
+        else:
+            what = f"{sum(1 for p in staged.rglob('*') if p.is_file())} files"
         if dest.exists():  # empty, or --force: swap in only now that the new one is known good
             old = work / "previous"
             dest.rename(old)
         staged.rename(dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log(f"{dest}: {len(manifest.files)} files verified against {MANIFEST_NAME} (sha256 {digest[:12]} zip)")
+    log(f"{dest}: {what} (sha256 {digest[:12]} zip)")
     return dest
 
 
@@ -318,6 +323,7 @@ def main(args: argparse.Namespace) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
         force=args.force,
         allow_forks=args.allow_forks,
+        bundle=not args.files,
         log=log,
     )
     print(dest)  # stdout carries only the directory, for DIR=$(python -m runner fetch ...)

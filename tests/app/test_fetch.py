@@ -454,3 +454,22 @@ def test_a_fetched_tiny_bundle_runs_the_e2e_check(gh, tmp_path, sleeps, tiny_bun
     gh.add_artifact(30, NAME, 300, zip_dir(tiny_bundle))
     dest = get(gh, tmp_path, sleeps, run_id=300)
     assert_e2e_check(dest, ["speech.wav", "short.wav"], capsys)
+
+
+def test_a_results_artifact_is_fetched_as_files_and_still_extracted_safely(gh, tmp_path, sleeps):
+    """`fetch --files`: the benchmark job's baseline is results, not a bundle: no manifest to verify, but the same
+    digest check and safe extraction (a member escaping the destination is refused)."""
+    gh.add_run(1)
+    gh.add_artifact(10, NAME, 1, zip_members({"benchmark.json": b"[]"}))
+    with pytest.raises(FetchError, match="not a valid bundle"):
+        get(gh, tmp_path, sleeps, run_id=1, dest=tmp_path / "as-bundle")
+    dest = get(gh, tmp_path, sleeps, run_id=1, bundle=False)
+    assert (
+        sorted(p.name for p in dest.iterdir()) == ["benchmark.json"] and (dest / "benchmark.json").read_text() == "[]"
+    )
+    gh.add_run(2)
+    gh.add_artifact(11, NAME, 2, zip_members({"../escape.json": b"[]"}))
+    with pytest.raises(FetchError, match="unsafe"):
+        get(gh, tmp_path, sleeps, run_id=2, bundle=False, dest=tmp_path / "evil")
+    assert not (tmp_path / "escape.json").exists()
+    assert parse(["--repo", REPO, "--run-id", "1", "--name", NAME, "--files"]).files

@@ -7,6 +7,8 @@ Prints a table (file, role, size, sha256) and exits 1 with one `error: ...` line
 wrong size or digest, or when the bundle is not the one expected. With --github-output it writes `bundle-digest`,
 `bundle-bytes`, `bundle-files` and `upload-paths` (model.pte plus exactly the manifest's files, one per line: what
 the upload step uploads, so nothing unchecked travels). Files in DIR the manifest does not name are warned about.
+With --summary it appends the job summary: the files table, the total size, the bundle digest and each method's
+compile time (the manifest's model.compile_seconds; with model.compile_cached, whether it came from the cache).
 """
 
 from __future__ import annotations
@@ -104,14 +106,57 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"upload-paths<<__PATHS__\n{paths}\n__PATHS__\n")
     if args.summary:
         with open(args.summary, "a") as f:
-            f.write(f"### Bundle `{args.bundle.name}`\n\n")
-            f.write(f"{manifest.device}, {manifest.dtype}, torch {manifest.torch_version}")
-            f.write(f"{', ' + manifest.gpu_arch if manifest.gpu_arch else ''}; digest `{digest}`\n\n")
-            f.write("| file | role | size | sha256 |\n|---|---|---:|---|\n")
-            for name, role, size, sha in rows:
-                f.write(f"| `{name}` | {role} | {human(int(size))} | `{sha[:16]}` |\n")
-            f.write("\n")
+            f.write(summary(manifest, args.bundle, digest, rows))
     return 0
+
+
+def compile_rows(manifest: Manifest) -> tuple[list[tuple[str, float, bool | None]], bool]:
+    """(method, compile seconds, from the compile cache or None) per method the manifest times, and whether the
+    cache use was recorded (`model.compile_cached`); without it the table shows only the times."""
+    model = manifest.model if isinstance(manifest.model, dict) else {}
+    seconds, cached = model.get("compile_seconds"), model.get("compile_cached")
+    if not isinstance(seconds, dict):
+        return [], False
+    cached = cached if isinstance(cached, dict) else {}
+    rows = [
+        (name, float(t), cached.get(name) if isinstance(cached.get(name), bool) else None)
+        for name, t in seconds.items()
+        if isinstance(t, (int, float))
+    ]
+    return rows, any(c is not None for _, _, c in rows)
+
+
+def summary(manifest: Manifest, bundle_dir: Path, digest: str, rows: list[tuple[str, str, str, str]]) -> str:
+    """The export job's summary: what was built, its files (role, size, sha256), the total size, the bundle
+    digest, and each method's compile time (and whether it came from the compile cache, where recorded)."""
+    total = sum(int(r[2]) for r in rows)
+    arch = f", {manifest.gpu_arch}" if manifest.gpu_arch else ""
+    out = [
+        f"### Bundle `{bundle_dir.name}`",
+        "",
+        f"{manifest.device}, {manifest.dtype}, torch {manifest.torch_version}{arch}; {len(rows)} files, "
+        f"{human(total)} in all; bundle digest `{digest}`",
+        "",
+        "| file | role | size | sha256 |",
+        "|---|---|---:|---|",
+        *(f"| `{name}` | {role} | {human(int(size))} | `{sha[:16]}` |" for name, role, size, sha in rows),
+        f"| **total** | | **{human(total)}** | |",
+        "",
+    ]
+    times, recorded = compile_rows(manifest)
+    if not times:
+        out += ["compile time per method: not recorded in the manifest", ""]
+        return "\n".join(out) + "\n"
+    head, rule = ("| method | compile time | from the compile cache |", "|---|---:|---|") if recorded else (
+        "| method | compile time |", "|---|---:|")  # fmt: skip
+    out += [head, rule]
+    for name, t, cached in times:
+        cells = [f"`{name}`", f"{t:.1f} s" if t >= 10 else f"{t:.2f} s"] + (
+            [{True: "yes", False: "no", None: "–"}[cached]] if recorded else []
+        )
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", f"compile time in all: {sum(t for _, t, _ in times):.1f} s", ""]
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ page: `python ci_scripts/job_summary.py results.json [--title T] [--out FILE]`. 
 $GITHUB_STEP_SUMMARY when set, else stdout. A missing file is a note, not a failure: the step that was meant to
 write it has already failed and said why.
 
-Shapes: a list of flat records (or an object holding one, e.g. {"results": [...]}) becomes one table with a
-column per key; any other object becomes a two-column table of its leaves, nested keys dotted.
+Shapes: `runner bench --json` output (v3 benchmark records) becomes bench's own headline table (ours beside each
+peer, with ratios, at most 15 rows; runner/app/bench/report.py, stdlib only, imported from the checkout); any other
+list of flat records (or an object holding one, e.g. {"results": [...]}) becomes one table with a column per key;
+any other object becomes a two-column table of its leaves, nested keys dotted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner/ without installing it (stdlib only here)
+
+from runner.app.bench.report import from_records, markdown  # noqa: E402
+from runner.errors import RunnerError  # noqa: E402
+
+V3_KEYS = ("benchmark", "model", "metric")
 
 
 def cell(v: Any) -> str:
@@ -45,8 +54,19 @@ def records(data: Any) -> list[dict] | None:
     return None
 
 
-def render(data: Any, title: str) -> str:
-    lines = [f"### {title}", ""]
+def bench_records(data: Any) -> bool:
+    """Whether `data` is a list of v3 benchmark records (what `runner bench --json` writes)."""
+    return isinstance(data, list) and bool(data) and all(isinstance(r, dict) and set(V3_KEYS) <= set(r) for r in data)
+
+
+def render(data: Any, title: str, source: Path = Path("results.json")) -> str:
+    note = ""
+    if bench_records(data):
+        try:
+            return markdown(from_records(data, source), title=title) + "\n"
+        except RunnerError as e:  # v3 records of another tool: the generic table below
+            note = f"_{e}_\n\n"
+    lines = [f"### {title}", "", *([note] if note else [])]
     rows = records(data)
     if rows is not None:
         flat = [flatten(r) for r in rows]
@@ -77,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         text = f"### {title}\n\n_no results: {args.json} was not written_\n\n"
     else:
         try:
-            text = render(json.loads(args.json.read_text()), title)
+            text = render(json.loads(args.json.read_text()), title, args.json)
         except json.JSONDecodeError as e:
             print(f"error: {args.json}: not JSON ({e})", file=sys.stderr)
             return 1

@@ -1,5 +1,6 @@
 """The `run` verb: several audio files through one loaded program, streamed text, stats, and the checks the
-e2e job relies on (golden tokens, an expected substring, the eager reference)."""
+e2e job relies on (golden tokens, an expected substring, the eager reference); with a job summary file
+(GITHUB_STEP_SUMMARY, read by the CLI), a table of them, one row per file."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import copy
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,6 +62,76 @@ def compare_with_reference(
     return ReferenceReport(first, err, scale, tie, ok)
 
 
+@dataclass
+class FileRow:
+    """One file's line in the e2e job summary: "–" where a check was not asked for."""
+
+    file: str
+    text: str
+    golden: str = "–"
+    expected: str = "–"
+    wer: str = "–"
+    reference: str = "–"
+
+
+@dataclass
+class E2ESummary:
+    title: str
+    settings: str
+    files: int  # how many were asked for
+    rows: list[FileRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self, failures: list[str], stopped: BaseException | None = None) -> str:
+        lines = [f"### {self.title}", "", self.settings, ""]
+        lines += [
+            "| file | text | golden tokens | expected text | WER | eager reference |",
+            "|---|---|---|---|---:|---|",
+        ]
+        lines += [
+            f"| `{r.file}` | {_md(_cut(r.text))} | {r.golden} | {r.expected} | {r.wer} | {r.reference} |"
+            for r in self.rows
+        ]
+        lines.append("")
+        lines += [f"{n}" for n in self.notes]
+        if stopped is not None:
+            why = " ".join(f"{type(stopped).__name__}: {stopped}".split())[:300]
+            lines.append(f"**stopped after {len(self.rows)} of {self.files} file(s)**: {_md(why)}")
+        elif failures:
+            lines.append(f"**{len(failures)} failure(s)**:")
+            lines += [f"- {_md(f)}" for f in failures[:10]]
+            if len(failures) > 10:
+                lines.append(f"- and {len(failures) - 10} more")
+        else:
+            lines.append(f"all {len(self.rows)} file(s) pass")
+        return "\n".join(lines) + "\n\n"
+
+
+TEXT_CELL = 60  # characters of each transcript in the summary
+
+
+def _cut(text: str, n: int = TEXT_CELL) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _md(text: str) -> str:
+    """Plain text in a markdown table cell: markdown's punctuation escaped, no line breaks."""
+    text = " ".join(text.split())
+    for ch in "\\`*_[]<>|#":
+        text = text.replace(ch, "\\" + ch)
+    return text or "(empty)"
+
+
+def _reference_cell(rep: ReferenceReport, opts: GenerationOptions) -> str:
+    if opts.temperature > 0:
+        return f"{'ok' if rep.ok else '**logits differ**'} (max logit error {rep.max_logit_error:.2g})"
+    if rep.first_divergence is None:
+        return "match"
+    where = f"at token {rep.first_divergence}{' (near tie)' if rep.near_tie else ''}"
+    return f"ok: differs {where}" if rep.ok else f"**differs** {where}"
+
+
 def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
     family = family_for(program.bundle_dir, program.manifest.model)
     tok = family.tokenizer
@@ -83,76 +154,125 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
     text_out = sys.stderr if args.json else sys.stdout  # with --json, stdout carries only the JSON lines
     failures: list[str] = []
     dtype = getattr(torch, program.manifest.dtype)
+    summary = _summary_for(program, args, opts, golden_missing=bool(args.expect_tokens) and golden is None)
+    stopped: BaseException | None = None
 
-    for path in args.audio:
-        windows = family.prompts(path, args.prompt, args.language, engine.max_audio_chunks)
-        if not args.json:
-            print(f"== {path}", file=sys.stderr)
-        stats = copy.copy(load)
+    try:
+        for path in args.audio:
+            windows = family.prompts(path, args.prompt, args.language, engine.max_audio_chunks)
+            if not args.json:
+                print(f"== {path}", file=sys.stderr)
+            stats = copy.copy(load)
 
-        def stream(text: str) -> None:
-            text_out.write(text)
-            text_out.flush()
+            def stream(text: str) -> None:
+                text_out.write(text)
+                text_out.flush()
 
-        result = runner.generate_windows(windows, opts, on_text=stream, stats=stats)
-        text_out.write("\n")
-        if result.stop_reason == "context":
-            print(
-                f"note: {path}: stopped at the end of the context ({program.manifest.model['max_seq_len']} "
-                "tokens); export with a larger --max-seq-len for longer output",
-                file=sys.stderr,
-            )
-        record = {
-            "audio": str(path),
-            "text": result.text,
-            "prompt_ids": result.prompt_ids,
-            "tokens": result.tokens,
-            "stop_reason": result.stop_reason,
-            "stats": stats.to_dict(),
-        }
-        if reference is not None:
-            rep = compare_with_reference(reference, windows, result, opts, dtype)
-            record["reference"] = rep.to_dict()
-            print(
-                f"eager reference: {'match' if rep.first_divergence is None else f'first divergence at token {rep.first_divergence}'}"
-                f", max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
-                f"{', near tie' if rep.near_tie else ''}",
-                file=sys.stderr,
-            )
-            if not rep.ok:
-                failures.append(f"{path}: tokens differ from the eager reference at token {rep.first_divergence}")
-        if references is not None:
-            if Path(path).name not in references:
-                failures.append(f"{args.wer}: no reference transcript for {Path(path).name}")
-            else:
-                scores.append(wer.score(Path(path).name, references[Path(path).name], result.text))
-                record["wer"] = scores[-1].to_dict()
-        if args.expect and args.expect.lower() not in result.text.lower():
-            failures.append(f"{path}: transcript does not contain {args.expect!r}: {result.text!r}")
-        if golden is not None:
-            want = golden.get(Path(path).name)
-            if want is None:
-                failures.append(f"{args.expect_tokens}: no golden tokens for {Path(path).name}")
-            elif (diff := golden_mismatch(want, result.tokens)) is not None:
-                failures.append(f"{path}: tokens differ from {args.expect_tokens.name} at index {diff}")
-        print(stats.observer_line(), file=sys.stderr)
-        for line in stats.human_lines():
-            print(line, file=sys.stderr)
-        if args.json:
-            sys.stdout.write(json.dumps(record) + "\n")
-            sys.stdout.flush()
+            result = runner.generate_windows(windows, opts, on_text=stream, stats=stats)
+            text_out.write("\n")
+            row = FileRow(Path(path).name, result.text)
+            if result.stop_reason == "context":
+                print(
+                    f"note: {path}: stopped at the end of the context ({program.manifest.model['max_seq_len']} "
+                    "tokens); export with a larger --max-seq-len for longer output",
+                    file=sys.stderr,
+                )
+            record = {
+                "audio": str(path),
+                "text": result.text,
+                "prompt_ids": result.prompt_ids,
+                "tokens": result.tokens,
+                "stop_reason": result.stop_reason,
+                "stats": stats.to_dict(),
+            }
+            if reference is not None:
+                rep = compare_with_reference(reference, windows, result, opts, dtype)
+                record["reference"] = rep.to_dict()
+                row.reference = _reference_cell(rep, opts)
+                print(
+                    f"eager reference: {'match' if rep.first_divergence is None else f'first divergence at token {rep.first_divergence}'}"
+                    f", max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
+                    f"{', near tie' if rep.near_tie else ''}",
+                    file=sys.stderr,
+                )
+                if not rep.ok:
+                    failures.append(f"{path}: tokens differ from the eager reference at token {rep.first_divergence}")
+            if references is not None:
+                if Path(path).name not in references:
+                    failures.append(f"{args.wer}: no reference transcript for {Path(path).name}")
+                    row.wer = "**no reference**"
+                else:
+                    scores.append(wer.score(Path(path).name, references[Path(path).name], result.text))
+                    record["wer"] = scores[-1].to_dict()
+                    row.wer = _wer_cell(scores[-1])
+            if args.expect:
+                found = args.expect.lower() in result.text.lower()
+                row.expected = "yes" if found else "**no**"
+                if not found:
+                    failures.append(f"{path}: transcript does not contain {args.expect!r}: {result.text!r}")
+            if golden is not None:
+                want = golden.get(Path(path).name)
+                if want is None:
+                    failures.append(f"{args.expect_tokens}: no golden tokens for {Path(path).name}")
+                    row.golden = "**none for this file**"
+                elif (diff := golden_mismatch(want, result.tokens)) is not None:
+                    failures.append(f"{path}: tokens differ from {args.expect_tokens.name} at index {diff}")
+                    row.golden = f"**differs** at token {diff}"
+                else:
+                    row.golden = f"match ({min(len(want), len(result.tokens))} tokens)"
+            summary.rows.append(row)
+            print(stats.observer_line(), file=sys.stderr)
+            for line in stats.human_lines():
+                print(line, file=sys.stderr)
+            if args.json:
+                sys.stdout.write(json.dumps(record) + "\n")
+                sys.stdout.flush()
 
-    if scores:
-        for line in wer.table(scores):
-            print(line, file=sys.stderr)
-        total = wer.corpus_wer(scores)
-        if getattr(args, "max_wer", None) is not None and total > args.max_wer:
-            failures.append(f"word error rate {total:.1%} is above --max-wer {args.max_wer:.1%}")
+        if scores:
+            for line in wer.table(scores):
+                print(line, file=sys.stderr)
+            total = wer.corpus_wer(scores)
+            summary.notes.append(f"word error rate over {len(scores)} file(s): {total:.1%}")
+            if getattr(args, "max_wer", None) is not None and total > args.max_wer:
+                failures.append(f"word error rate {total:.1%} is above --max-wer {args.max_wer:.1%}")
+    except BaseException as e:  # the files done so far still go to the summary, which says where it stopped
+        stopped = e
+        raise
+    finally:
+        if args.env.step_summary:
+            with open(args.env.step_summary, "a") as f:
+                f.write(summary.markdown(failures, stopped))
     if failures:
         for f in failures[:-1]:
             print(f"error: {f}", file=sys.stderr)
         raise RunnerError(failures[-1])
     return 0
+
+
+def _summary_for(program: Program, args: argparse.Namespace, opts: GenerationOptions, golden_missing: bool):
+    m = program.manifest
+    sampling = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature:g}, top-p {opts.top_p:g}"
+    checks = [
+        *([f"golden tokens `{Path(args.expect_tokens).name}`"] if args.expect_tokens else []),
+        *([f"expected text {_md(repr(args.expect))}"] if args.expect else []),
+        *([f"WER against `{Path(args.wer).name}`"] if getattr(args, "wer", None) else []),
+        *(["the eager reference"] if args.reference else []),
+    ]
+    summary = E2ESummary(
+        title=f"e2e: `{program.bundle_dir.name}` ({m.device}, {m.dtype}), {len(args.audio)} file(s)",
+        settings=f"{sampling}, at most {opts.max_new_tokens} new tokens; checked: {', '.join(checks) or 'nothing'}",
+        files=len(args.audio),
+    )
+    if golden_missing:
+        summary.notes.append(
+            f"golden tokens: `{Path(args.expect_tokens).name}` has none for this model on {m.device}-{m.dtype}; "
+            "checked against the eager reference only"
+        )
+    return summary
+
+
+def _wer_cell(s: wer.FileWER) -> str:
+    return f"{s.wer:.1%} ({s.errors}/{s.words})" if s.wer is not None else f"– ({s.errors} words, empty reference)"
 
 
 def golden_mismatch(golden: list[int], ours: list[int]) -> int | None:

@@ -1,18 +1,35 @@
 """`python -m runner bench`: statistics, the v3 JSON (schema-valid, ours and eager, ratios), the chart, the
-markdown table and job summary, and the regression gate."""
+headline table and job summary (bench's own and ci_scripts/job_summary.py's), and the regression gate with its
+per-figure thresholds and an optional baseline."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from runner.app.bench.report import FIGURE, OURS, Summary, percentile, ratio, trimmed_mean
+from runner.app.bench.chart import CHART_DPI, CHART_SIZE, chart_figure
+from runner.app.bench.gate import Thresholds, parse_thresholds
+from runner.app.bench.report import (
+    FIGURE,
+    HEADLINE,
+    MAX_HEADLINE,
+    OURS,
+    Summary,
+    from_records,
+    percentile,
+    ratio,
+    trimmed_mean,
+)
 from runner.app.cli import main
+from runner.errors import RunnerError
 
-SCHEMA = Path(__file__).resolve().parents[2] / "benchmarks" / "schema" / "v3.schema.json"
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT / "benchmarks" / "schema" / "v3.schema.json"
 
 
 # ---------------------------------------------------------------- statistics
@@ -102,7 +119,37 @@ def test_chart_opens(bench_run):
     import matplotlib.image
 
     img = matplotlib.image.imread(bench_run[1] / "out.png")
-    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+    assert img.shape[:2] == (round(CHART_SIZE[1] * CHART_DPI), round(CHART_SIZE[0] * CHART_DPI))
+    assert img.ndim == 3
+
+
+def test_chart_shows_decode_and_ttft_values_on_linear_axes_beside_the_breakdown(bench_run):
+    run = from_records(_records(bench_run[1] / "out.json"), bench_run[1] / "out.json")
+    fig = chart_figure(run)
+    assert tuple(fig.get_size_inches()) == CHART_SIZE
+    decode, ttft, methods, e2e = fig.axes
+    assert decode.get_title().startswith("decode (tokens/s") and ttft.get_title().startswith("time to first token")
+    for ax, key in ((decode, "decode_tokens_per_s"), (ttft, "ttft_ms")):
+        assert ax.get_yscale() == "linear"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["ours (AOTI)", "eager"]
+        labels = [t.get_text() for t in ax.texts]  # bar_label's value labels
+        want = [b.summary(key).median for b in run.results]
+        assert [float(x) for x in labels] == pytest.approx(want, rel=0.01), (key, labels)
+    assert methods.get_xscale() == "log" and e2e.get_xscale() == "log"
+    assert "text_decoder decode step" in [t.get_text() for t in methods.get_yticklabels()]
+    assert methods.texts and e2e.texts  # the breakdown's bars are labelled too
+
+
+def _table_rows(text: str) -> list[str]:
+    """The rows of the first markdown table in `text` (header and rule left out)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        rows.append(line)
+    return rows
 
 
 def test_table_and_job_summary_from_a_recorded_run(bench_run, tmp_path, monkeypatch, capsys):
@@ -114,6 +161,40 @@ def test_table_and_job_summary_from_a_recorded_run(bench_run, tmp_path, monkeypa
     assert "| e2e: time to first token (ms) |" in table
     assert table in summary.read_text()
     assert _records(tmp_path / "again.json") == _records(bench_run[1] / "out.json")  # a lossless round trip
+
+
+def test_the_summary_is_the_headline_table_and_the_json_keeps_every_figure(bench_run, tmp_path, monkeypatch):
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    assert main(["bench", "--from-json", str(bench_run[1] / "out.json")]) == 0
+    text = summary.read_text()
+    rows = _table_rows(text)
+    assert 0 < len(rows) <= len(HEADLINE) <= MAX_HEADLINE == 15
+    firsts = [r.split(" | ")[0].removeprefix("| ") for r in rows]
+    assert firsts[:3] == ["e2e: decode (tokens/s)", "e2e: time to first token (ms)", "e2e: prefill (tokens/s)"]
+    assert {"text_decoder decode step (ms)", "audio_encoder (ms)", "peak memory (MiB)", "load: total (ms)"} <= set(
+        firsts
+    )
+    decode = rows[0].split(" | ")
+    assert len(decode) == 4 and decode[-1].endswith("x |")  # ours, eager, and the ratio
+    assert "load: bundle verification" not in text and "Regression gate" not in text  # no --baseline: no gate
+    names = {r["metric"]["name"] for r in _records(bench_run[1] / "out.json") if r["model"]["backend"] == OURS}
+    assert {"load_verify_ms", "load_text_decoder_ms"} <= names  # the rest stays in the JSON
+
+
+def test_job_summary_script_renders_bench_records_as_the_headline_table(bench_run, tmp_path):
+    out = tmp_path / "summary.md"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "ci_scripts" / "job_summary.py"), str(bench_run[1] / "out.json"),
+         "--title", "Benchmark - tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text.startswith("### Benchmark - tiny\n")
+    assert "| figure | ours (AOTI) | eager | ours vs eager |" in text
+    assert 0 < len(_table_rows(text)) <= MAX_HEADLINE
+    assert "benchmark.name" not in text and "metric.benchmark_values" not in text  # not the column-per-key dump
 
 
 # ---------------------------------------------------------------- the regression gate
@@ -169,6 +250,135 @@ def test_baseline_for_another_device_is_refused(bench_run, tmp_path, capsys):
     out = bench_run[1] / "out.json"
     assert main(f"bench --from-json {out} --baseline {tmp_path / 'cuda.json'}".split()) == 1
     assert "baseline is for" in capsys.readouterr().err
+
+
+def _gate_table(text: str) -> dict[str, list[str]]:
+    """The gate's table in a summary: figure label -> [baseline, now, change, max worse, result]."""
+    part = text[text.index("#### Regression gate") :]
+    return {r.split(" | ")[0].removeprefix("| "): r.removesuffix(" |").split(" | ")[1:] for r in _table_rows(part)}
+
+
+def test_per_figure_threshold_fails_a_ten_times_better_baseline_naming_the_figure(
+    bench_run, tmp_path, monkeypatch, capsys
+):
+    base = _doctored(bench_run[1] / "out.json", tmp_path / "fast.json")
+    out, summary = bench_run[1] / "out.json", tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    # 10x better: lower-is-better figures are 900% worse, higher-is-better ones 90%: only decode's 5% is exceeded
+    argv = f"bench --from-json {out} --baseline {base} --gate e2e --max-regression 1000,decode_tokens_per_s=5"
+    assert main(argv.split()) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [err[0]] and err[0].startswith(f"error: regression beyond 5% vs {base}: decode_tokens_per_s ")
+    assert "more:" not in err[0]  # the one regression
+    gate = _gate_table(summary.read_text())
+    assert set(gate) == {f"{FIGURE[k].label} ({FIGURE[k].unit})" for k in FIGURE if FIGURE[k].group == "e2e"}
+    assert list(gate)[:3] == ["e2e: decode (tokens/s)", "e2e: time to first token (ms)", "e2e: prefill (tokens/s)"]
+    decode = gate.pop("e2e: decode (tokens/s)")  # the regression first, then the table's order
+    assert decode[2:] == ["-90.0%", "5%", "**REGRESSION**: 90.0% worse"]
+    assert float(decode[0].replace(",", "")) == pytest.approx(10 * float(decode[1].replace(",", "")), rel=0.01)
+    assert all(row[3] == "1000%" and row[4].startswith("ok: ") for row in gate.values())
+    assert "**1 regression(s)** in 5 figures" in summary.read_text()
+
+
+def test_group_threshold_and_the_default_apply_to_their_figures(bench_run, tmp_path, capsys):
+    base = _doctored(bench_run[1] / "out.json", tmp_path / "fast.json")
+    out = bench_run[1] / "out.json"
+    argv = f"bench --from-json {out} --baseline {base} --gate e2e,memory --max-regression 950,memory=10,e2e=2000"
+    assert main(argv.split()) == 1
+    err = capsys.readouterr().err
+    assert "error: regression beyond 10% vs" in err and "peak_memory_mb" in err and "more:" not in err
+    argv = f"bench --from-json {out} --baseline {base} --gate e2e,memory --max-regression 950,memory=10,e2e=50"
+    assert main(argv.split()) == 1  # every e2e figure too: the one furthest past its threshold named first
+    err = capsys.readouterr().err
+    assert "error: regression beyond 10% vs" in err and "(and 5 more: " in err and "decode_tokens_per_s" in err
+
+
+def test_a_matching_baseline_passes_with_per_figure_thresholds(bench_run, tmp_path, monkeypatch, capsys):
+    out, summary = bench_run[1] / "out.json", tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    argv = f"bench --from-json {out} --baseline {out} --max-regression 1,decode_tokens_per_s=0,memory=0"
+    assert main(argv.split()) == 0
+    gate = _gate_table(summary.read_text())
+    assert len(gate) >= 10 and all(row[2] == "+0.0%" and row[4] == "ok: unchanged" for row in gate.values())
+    assert list(gate)[:2] == ["e2e: decode (tokens/s)", "e2e: time to first token (ms)"]  # the headline's order
+    assert gate["e2e: decode (tokens/s)"][3] == "0%" and gate["peak memory (MiB)"][3] == "0%"
+    assert gate["text_decoder decode step (ms)"][3] == "1%"
+    assert "no regression in" in summary.read_text()
+
+
+@pytest.mark.parametrize("content", [None, "", "  \n", "[]"])
+def test_no_baseline_yet_passes_with_the_optional_flag_and_says_so(bench_run, tmp_path, monkeypatch, capsys, content):
+    base, summary = tmp_path / "baseline" / "benchmark.json", tmp_path / "summary.md"
+    if content is not None:
+        base.parent.mkdir()
+        base.write_text(content)
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    argv = f"bench --from-json {bench_run[1] / 'out.json'} --baseline {base} --baseline-optional --max-regression 5"
+    assert main(argv.split()) == 0
+    out, err = capsys.readouterr()
+    assert "no baseline yet: gate skipped" in err
+    text = summary.read_text()
+    assert "#### Regression gate: no baseline yet: gate skipped" in text and str(base) in text
+    assert "| figure | ours (AOTI) |" in text  # the headline table is still there
+    assert out in text
+
+
+def test_without_the_optional_flag_a_missing_baseline_is_an_error(bench_run, tmp_path, capsys):
+    argv = f"bench --from-json {bench_run[1] / 'out.json'} --baseline {tmp_path / 'nope.json'}"
+    assert main(argv.split()) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {tmp_path / 'nope.json'}: cannot read benchmark JSON")
+
+
+def test_the_optional_flag_still_refuses_a_corrupt_baseline(bench_run, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    argv = f"bench --from-json {bench_run[1] / 'out.json'} --baseline {tmp_path / 'bad.json'} --baseline-optional"
+    assert main(argv.split()) == 1
+    assert "cannot read benchmark JSON" in capsys.readouterr().err
+
+
+def test_thresholds_parse_and_resolve_figure_then_group_then_default():
+    t = parse_thresholds("20,decode_tokens_per_s=5,memory=10%,e2e=7.5")
+    assert t == Thresholds(20.0, (("decode_tokens_per_s", 5.0), ("memory", 10.0), ("e2e", 7.5)))
+    assert t.limit("decode_tokens_per_s") == 5.0  # its own, before its group's
+    assert t.limit("ttft_ms") == 7.5 and t.limit("peak_memory_mb") == 10.0 and t.limit("audio_encoder_ms") == 20.0
+    assert parse_thresholds("12.5") == Thresholds(12.5) and parse_thresholds("20.0").limit("ttft_ms") == 20.0
+    assert parse_thresholds("memory=3").default == 20.0  # no bare number: the usual default
+    assert t.describe() == "20%, decode_tokens_per_s 5%, memory 10%, e2e 7.5%"
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("fast", "'fast' is not a percentage >= 0"),
+        ("-5", "'-5' is not a percentage >= 0"),
+        ("nan", "is not a percentage"),
+        ("20,30", "two default percentages (20 and 30)"),
+        ("latency=5", "latency is not a figure or group (load, method, e2e, memory)"),
+        ("decode_tokens_per_s=x", "'decode_tokens_per_s=x' is not a percentage"),
+        ("ttft_ms=5,ttft_ms=6", "ttft_ms is given twice"),
+        ("load=10", "load is not gated (--gate e2e,memory,method); add it to --gate"),
+        ("load_total_ms=10", "load_total_ms is not gated"),
+        (",", "give a percentage, or a comma list"),
+    ],
+)
+def test_bad_max_regression_is_one_error_line(bench_run, tmp_path, value, message, capsys):
+    out = bench_run[1] / "out.json"
+    assert main(["bench", "--from-json", str(out), "--baseline", str(out), "--max-regression", value]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --max-regression {value}: ") and message in err[0], err
+
+
+def test_a_threshold_for_a_figure_gated_through_its_group_or_a_group_gated_through_a_figure_is_fine():
+    parse_thresholds("text_decoder_decode_ms=3", {"method"})
+    parse_thresholds("method=3", {"text_decoder_decode_ms"})
+    with pytest.raises(RunnerError, match="memory is not gated"):
+        parse_thresholds("memory=3", {"text_decoder_decode_ms"})
+
+
+def test_baseline_optional_needs_a_baseline(bench_run, capsys):
+    assert main(["bench", "--from-json", str(bench_run[1] / "out.json"), "--baseline-optional"]) == 1
+    assert "error: --baseline-optional: give the baseline file with --baseline FILE" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- arguments

@@ -1,4 +1,5 @@
-"""`python -m runner run`: several files in one process, the JSON contract, prompts, stopping, sampling."""
+"""`python -m runner run`: several files in one process, the JSON contract, prompts, stopping, sampling, and the
+e2e job summary (one row per file)."""
 
 from __future__ import annotations
 
@@ -120,11 +121,13 @@ def test_bad_options_are_one_error_line(tiny_bundle, capsys, args, message):
     assert rc == 1 and err[-1].startswith("error: ") and message in err[-1]
 
 
-def test_golden_mismatch_fails_the_run(tiny_bundle, tmp_path, capsys):
-    golden = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "golden" / "tiny.json").read_text())
+def test_golden_mismatch_fails_the_run(tiny_bundle, tmp_path, monkeypatch, capsys):
+    golden = json.loads(GOLDEN.read_text())
     golden["tokens"]["cpu-float32"]["short.wav"][3] += 1
     path = tmp_path / "golden.json"
     path.write_text(json.dumps(golden))
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     rc = main(
         [
             "run",
@@ -139,6 +142,83 @@ def test_golden_mismatch_fails_the_run(tiny_bundle, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err[-1] == f"error: {AUDIO / 'short.wav'}: tokens differ from golden.json at index 3"
+    (row,) = summary_rows(summary.read_text()).values()  # the summary is written before the run fails
+    assert row[1:] == ["**differs** at token 3", "–", "–", "–"]
+    assert (
+        "**1 failure(s)**:" in summary.read_text()
+        and "tokens differ from golden.json at index 3" in summary.read_text()
+    )
+
+
+GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "golden" / "tiny.json"
+
+
+def summary_rows(text: str) -> dict[str, list[str]]:
+    """The e2e summary's table: file -> [text, golden tokens, expected text, WER, eager reference]."""
+    lines = text.splitlines()
+    head = lines.index("| file | text | golden tokens | expected text | WER | eager reference |")
+    rows = {}
+    for line in lines[head + 2 :]:
+        if not line.startswith("| "):
+            break
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_e2e_summary_has_one_row_per_file_and_stdout_stays_json(tiny_bundle, tmp_path, monkeypatch, capsys):
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    golden = json.loads(GOLDEN.read_text())["tokens"]["cpu-float32"]
+    refs = tmp_path / "refs.json"
+    refs.write_text(json.dumps({"speech.wav": "hello world", "short.wav": "ok"}))
+    names = ["speech.wav", "short.wav", "silence.wav"]
+    argv = ["run", "--bundle", str(tiny_bundle), *audio_args(*names), "--max-new-tokens", "32", "--json",
+            "--expect-tokens", str(GOLDEN), "--reference", "eager", "--wer", str(refs)]  # fmt: skip
+    assert main(argv) == 1  # silence.wav has no reference transcript
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]  # stdout: nothing but the JSON lines
+    assert [Path(r["audio"]).name for r in records] == names
+    text = summary.read_text()
+    assert text.startswith("earlier step\n### e2e: `tiny` (cpu, float32), 3 file(s)\n")  # appended
+    assert (
+        "greedy, at most 32 new tokens; checked: golden tokens `tiny.json`, WER against `refs.json`, the eager" in text
+    )
+    rows = summary_rows(text)
+    assert list(rows) == names
+    for name, record in zip(names, records):
+        cut, golden_cell, expected, wer_cell, reference = rows[name]
+        assert golden_cell == f"match ({len(golden[name])} tokens)"
+        assert expected == "–" and reference == "match"
+        shown = cut.replace("\\", "").removesuffix("…")
+        flat = " ".join(record["text"].split())
+        assert len(shown) <= 60 and flat.startswith(shown) and (cut.endswith("…") == (len(flat) > 60))
+        assert "|" not in cut.replace("\\|", "")  # a transcript cannot break the table
+    w = records[0]["wer"]
+    assert rows["speech.wav"][3] == f"{w['wer']:.1%} ({w['errors']}/{w['words']})"
+    assert rows["silence.wav"][3] == "**no reference**"
+    assert "word error rate over 2 file(s):" in text and "**1 failure(s)**:" in text
+    assert "refs.json: no reference transcript for silence.wav" in text
+
+
+def test_e2e_summary_marks_the_expected_text_and_nothing_is_written_without_the_variable(
+    tiny_bundle, tmp_path, monkeypatch, capsys
+):
+    argv = ["run", "--bundle", str(tiny_bundle), *audio_args("short.wav"), "--max-new-tokens", "4"]
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--json"]) == 0  # without GITHUB_STEP_SUMMARY: no summary anywhere
+    assert list(tmp_path.iterdir()) == []
+    said = json.loads(capsys.readouterr().out)["text"].strip()
+    assert said, "the tiny bundle says something for short.wav"
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    assert main([*argv, "--expect", said[:3]]) == 0
+    assert main([*argv, "--expect", "not said at all"]) == 1
+    said_row, unsaid_row = (summary_rows(part).popitem()[1] for part in summary.read_text().split("### e2e")[1:])
+    assert said_row[2] == "yes" and unsaid_row[2] == "**no**"
+    assert said_row[1] == said_row[3] == said_row[4] == "–"  # not asked for: golden tokens, WER, eager reference
+    assert summary.read_text().count("all 1 file(s) pass") == 1 and "**1 failure(s)**:" in summary.read_text()
 
 
 def assert_e2e_check(bundle: Path, names: list[str], capsys) -> None:
@@ -150,7 +230,12 @@ def assert_e2e_check(bundle: Path, names: list[str], capsys) -> None:
     assert err.count("eager reference: match") == len(names)
 
 
-def test_golden_tokens_of_the_tiny_bundle_hold(tiny_bundle, capsys):
-    assert_e2e_check(
-        tiny_bundle, ["speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav"], capsys
-    )
+def test_golden_tokens_of_the_tiny_bundle_hold(tiny_bundle, tmp_path, monkeypatch, capsys):
+    names = ["speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav"]
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path / "summary.md"))  # as the e2e job runs it
+    assert_e2e_check(tiny_bundle, names, capsys)
+    text = (tmp_path / "summary.md").read_text()
+    rows = summary_rows(text)
+    assert list(rows) == names
+    assert all(r[1] == "match (32 tokens)" and r[4] == "match" for r in rows.values()), rows
+    assert text.rstrip().endswith("all 5 file(s) pass")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from runner.app.bench.report import GROUPS
 from runner.app.options import add_runtime_flags
 from runner.audio import TOKENS_PER_CHUNK
 from runner.fixtures import fixtures_dir
 
 DEFAULT_AUDIO = fixtures_dir() / "audio" / "speech.wav"
 PEERS = ("eager", "hf", "hf-compile")
-GROUPS = ("load", "method", "e2e", "memory")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,13 +58,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_runtime_flags(p)
     p.add_argument("--json", type=Path, default=None, help="write the PyTorch OSS benchmark v3 records here")
-    p.add_argument("--chart", type=Path, default=None, help="write a PNG of the latency breakdown here")
+    p.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help="write a PNG here: decode tokens/s and time to first token per backend, and the latency breakdown",
+    )
     p.add_argument("--baseline", type=Path, default=None, help="earlier --json output to compare with")
     p.add_argument(
+        "--baseline-optional",
+        action="store_true",
+        help="with --baseline: a missing or empty baseline file (no earlier green run) skips the gate, saying so, "
+        "instead of failing",
+    )
+    p.add_argument(
         "--max-regression",
-        type=float,
+        type=str,
         default=20.0,
-        help="with --baseline: fail when one of our figures is worse by more than this percentage",
+        metavar="PCT[,NAME=PCT...]",
+        help="with --baseline: fail when one of our gated figures is worse by more than this percentage; a comma "
+        "list sets it per figure or group, a bare number being the default (20,decode_tokens_per_s=5,memory=10)",
     )
     p.add_argument(
         "--gate",

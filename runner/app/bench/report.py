@@ -1,5 +1,6 @@
-"""What a benchmark run is, and the ways it is written out: the PyTorch OSS benchmark "v3" JSON records, a
-markdown table (stdout and the GitHub job summary), a PNG chart, and the regression gate against a baseline.
+"""What a benchmark run is, and the ways it is written out: the PyTorch OSS benchmark "v3" JSON records and a
+headline markdown table (stdout and the GitHub job summary; every figure stays in the JSON). The chart is
+chart.py's, the regression gate gate.py's.
 
 No torch here: a report can be read, compared and rendered where only the JSON is at hand.
 """
@@ -51,6 +52,25 @@ FIGURES: tuple[Figure, ...] = (
     Figure("peak_memory_mb", "peak memory", "MiB", "lower", "memory"),
 )
 FIGURE = {f.key: f for f in FIGURES}
+GROUPS = tuple(dict.fromkeys(f.group for f in FIGURES))  # load, method, e2e, memory
+# The same-run table a person reads in ten seconds (at most MAX_HEADLINE rows); the load breakdown and every
+# statistic stay in the JSON records.
+HEADLINE = (
+    "decode_tokens_per_s",
+    "ttft_ms",
+    "prefill_tokens_per_s",
+    "e2e_total_ms",
+    "real_time_factor",
+    "preprocessor_ms",
+    "audio_encoder_ms",
+    "audio_encoder_graph_ms",
+    "token_embedding_ms",
+    "text_decoder_prefill_ms",
+    "text_decoder_decode_ms",
+    "peak_memory_mb",
+    "load_total_ms",
+)
+MAX_HEADLINE = 15
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -295,159 +315,54 @@ def _cell(s: Summary | None, unit: str) -> str:
     return f"{s.median:.{d}f} (p90 {s.p90:.{d}f})" if s.n > 1 else f"{s.median:.{d}f}"
 
 
-def markdown(run: BenchRun) -> str:
-    ctx, peers = run.context, [p for p in run.peers if p.error is None]
-    lines = [
-        f"### Voxtral benchmark: {ctx['model']} on {ctx['device']} ({ctx['dtype']})",
-        "",
-        f"bundle `{ctx['bundle']}` (manifest sha256 {ctx['bundle_digest'][:12]}), torch {ctx['torch_version']}, "
-        f"git {short_sha(ctx['git_sha'], 12)}, {ctx['arch']}; {ctx['runs']} runs after {ctx['warmup']} warm-up; "
-        f"per method: {ctx['chunks']} chunk(s), prefill {ctx['prefill_tokens']} tokens; e2e: "
-        f"`{Path(ctx['audio']).name}` ({ctx['audio_seconds']} s), {ctx['new_tokens']} new tokens; "
-        f"load average {ctx.get('load_average', '?')} at the end",
-        "",
-    ]
-    head = [
-        "figure",
-        LABELS[OURS],
-        *(LABELS.get(p.backend, p.backend) for p in peers),
-        *(f"ours vs {LABELS.get(p.backend, p.backend)}" for p in peers),
-    ]
-    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+def _label(backend: str) -> str:
+    return LABELS.get(backend, backend)
+
+
+def headline_rows(run: BenchRun) -> list[list[str]]:
+    """The headline figures this run has: [figure, ours, each peer, ours vs each peer]; at most MAX_HEADLINE."""
+    peers = [p for p in run.peers if p.error is None]
     by_peer = [dict((f.key, r) for f, r in ratios(run, p)) for p in peers]
-    for fig in FIGURES:
+    rows = []
+    for fig in (FIGURE[k] for k in HEADLINE):
         cells = [_cell(r.summary(fig.key), fig.unit) for r in (run.ours, *peers)]
         if all(c == "–" for c in cells):
             continue
         rs = [f"{rp[fig.key]:.2f}x" if fig.key in rp else "–" for rp in by_peer]
-        lines.append(f"| {fig.label} ({fig.unit}) | " + " | ".join(cells + rs) + " |")
-    lines += ["", f"median (p90) per figure; {RATIO_NOTE}. Peak memory: {ctx['memory_kind']}."]
+        rows.append([f"{fig.label} ({fig.unit})", *cells, *rs])
+    return rows[:MAX_HEADLINE]
+
+
+def markdown(run: BenchRun, title: str | None = None) -> str:
+    """The headline same-run table (ours beside each peer, with ratios), what was measured in one line, and the
+    peers that could not run. Every figure, with all its samples, is in the JSON records."""
+    ctx, peers = run.context, [p for p in run.peers if p.error is None]
+    title = title or f"Voxtral benchmark: {ctx['model']} on {ctx['device']} ({ctx['dtype']})"
+    lines = [
+        f"### {title}",
+        "",
+        f"{ctx['arch']}, torch {ctx['torch_version']}, git {short_sha(ctx['git_sha'], 12)}; bundle `{ctx['bundle']}` "
+        f"(manifest sha256 {ctx['bundle_digest'][:12]}); median (p90) of {ctx['runs']} runs after {ctx['warmup']} "
+        f"warm-up; e2e: `{Path(ctx['audio']).name}` ({ctx['audio_seconds']} s), {ctx['new_tokens']} new tokens; "
+        f"per method: {ctx['chunks']} chunk(s), prefill {ctx['prefill_tokens']} tokens",
+        "",
+    ]
+    head = [
+        "figure",
+        _label(OURS),
+        *(_label(p.backend) for p in peers),
+        *(f"ours vs {_label(p.backend)}" for p in peers),
+    ]
+    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in headline_rows(run)]
+    lines += [
+        "",
+        f"{RATIO_NOTE}. Peak memory: {ctx['memory_kind']}. Load average {ctx.get('load_average', '?')} at the end. "
+        "Every figure (the load breakdown too) and every sample: the JSON records.",
+    ]
     for p in run.peers:
         if p.error is not None:
-            lines.append(f"\n{LABELS.get(p.backend, p.backend)}: not measured: {p.error}")
+            lines.append(f"\n{_label(p.backend)}: not measured: {p.error}")
         elif p.info.get("note"):
-            lines.append(f"\n{LABELS.get(p.backend, p.backend)}: {p.info['note']}")
+            lines.append(f"\n{_label(p.backend)}: {p.info['note']}")
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- chart
-
-
-def write_chart(run: BenchRun, path: Path) -> None:
-    """Horizontal bars per figure (median, whiskers min..max), ours beside each peer; log scale, since a decode
-    step and a whole transcription differ by orders of magnitude."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RunnerError(f"--chart {path}: needs matplotlib (pip install '.[bench]')") from None
-
-    matplotlib.use("Agg")  # no display on CI machines
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    backends = [r for r in run.results if r.error is None]
-    color = {b.backend: f"C{i}" for i, b in enumerate(run.results)}  # one colour per backend in both panels
-    panels = [
-        ("per method", [f for f in FIGURES if f.group == "method"]),
-        ("end to end", [f for f in FIGURES if f.group == "e2e" and f.unit == "ms"] + [FIGURE["load_total_ms"]]),
-    ]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
-    height = 0.8 / max(len(backends), 1)
-    for ax, (title, figs) in zip(axes, panels):
-        figs = [f for f in figs if any(b.samples.get(f.key) for b in backends)]
-        for i, b in enumerate(backends):
-            ys, xs, lo, hi = [], [], [], []
-            for j, f in enumerate(figs):
-                s = b.summary(f.key)
-                if s is None or s.median <= 0:
-                    continue
-                ys.append(j + (i - (len(backends) - 1) / 2) * height)
-                xs.append(s.median)
-                lo.append(s.median - s.min)
-                hi.append(s.max - s.median)
-            if xs:
-                ax.barh(ys, xs, height=height, xerr=[lo, hi], capsize=2, color=color[b.backend])
-        ax.set_yticks(range(len(figs)), [f.label for f in figs])
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel("ms (median; whiskers min..max)")
-        ax.set_title(title)
-        ax.grid(axis="x", which="both", alpha=0.3)
-    handles = [Patch(color=color[b.backend], label=LABELS.get(b.backend, b.backend)) for b in backends]
-    try:
-        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles))
-    except ValueError:  # matplotlib < 3.7 has no "outside" placement
-        axes[0].legend(handles=handles, loc="lower right")
-    ctx = run.context
-    fig.suptitle(
-        f"Voxtral {ctx['model']} on {ctx['arch']} ({ctx['device']}, {ctx['dtype']}), git {short_sha(ctx['git_sha'], 8)}"
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------- regression gate
-
-
-@dataclass(frozen=True)
-class Change:
-    metric: str
-    unit: str
-    current: float
-    baseline: float
-    worse_pct: float  # how much worse than the baseline, in percent (negative: better)
-
-    def describe(self) -> str:
-        return (
-            f"{self.metric} {self.current:.4g} {self.unit} vs baseline {self.baseline:.4g} {self.unit} "
-            f"({self.worse_pct:+.1f}% worse)"
-        )
-
-
-def _medians(records: list[dict], backend: str) -> dict[str, tuple[float, dict]]:
-    out = {}
-    for r in records:
-        m = r.get("metric", {})
-        if r.get("model", {}).get("backend") != backend or m.get("name") == "error":
-            continue
-        extra = m.get("extra_info") or {}
-        try:
-            value = float(extra["median"]) if "median" in extra else statistics.median(m["benchmark_values"])
-        except (KeyError, ValueError, TypeError, statistics.StatisticsError):
-            continue
-        out[m["name"]] = (value, extra)
-    return out
-
-
-def compare(current: list[dict], baseline: list[dict], gate: set[str]) -> list[Change]:
-    """Our figures against the baseline's (medians), for metrics whose name or group is in `gate`."""
-    base, changes = _medians(baseline, OURS), []
-    for name, (value, extra) in _medians(current, OURS).items():
-        fig = FIGURE.get(name)
-        if name not in base or not ({name, fig.group if fig else ""} & gate):
-            continue
-        old = base[name][0]
-        if old <= 0:
-            continue
-        better = extra.get("better", fig.better if fig else "lower")
-        worse = (value / old - 1) * 100 if better == "lower" else (1 - value / old) * 100
-        changes.append(Change(name, extra.get("unit", ""), value, old, worse))
-    return changes
-
-
-def check_baseline_matches(current: list[dict], baseline: list[dict], path: Path) -> None:
-    """Same model, device and dtype, or the comparison means nothing (the bundle digest may differ: a new
-    export of the same model is exactly what the gate is for)."""
-
-    def ident(records: list[dict]) -> tuple:
-        r = next((r for r in records if r["model"].get("backend") == OURS), None)
-        if r is None:
-            return ()
-        return (r["model"].get("name"), r["benchmark"].get("extra_info", {}).get("device"), r["benchmark"].get("dtype"))
-
-    a, b = ident(current), ident(baseline)
-    if not b:
-        raise RunnerError(f"{path}: the baseline has no records for {OURS}")
-    if a != b:
-        raise RunnerError(f"{path}: baseline is for {' '.join(map(str, b))}, this run is {' '.join(map(str, a))}")

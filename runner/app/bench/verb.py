@@ -16,19 +16,18 @@ from pathlib import Path
 import torch
 
 from runner.app.bench.args import GROUPS, PEERS
+from runner.app.bench.chart import write_chart
+from runner.app.bench.gate import NO_BASELINE, GateResult, Thresholds, evaluate, parse_thresholds, read_baseline
 from runner.app.bench.measure import Clock, Plan, bench_ours
 from runner.app.bench.peers import bench_eager, bench_hf
 from runner.app.bench.report import (
     FIGURE,
     BackendResult,
     BenchRun,
-    check_baseline_matches,
-    compare,
     from_records,
     markdown,
     read_records,
     to_records,
-    write_chart,
     write_json,
 )
 from runner.app.options import Environment
@@ -168,14 +167,19 @@ def _say(msg: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     peers, gate = _parse_compare(args.compare), _parse_gate(args.gate)
-    baseline = read_records(args.baseline) if args.baseline else None  # fail before minutes of timing
+    thresholds = parse_thresholds(str(args.max_regression), gate)
+    if args.baseline_optional and not args.baseline:
+        raise RunnerError("--baseline-optional: give the baseline file with --baseline FILE")
+    baseline, skipped = None, None
+    if args.baseline:  # fail before minutes of timing
+        baseline, skipped = read_baseline(args.baseline, optional=args.baseline_optional)
     if args.from_json:
         run = from_records(read_records(args.from_json), args.from_json)
     elif args.bundle:
         run = measure(args, peers)
     else:
         raise RunnerError("--bundle DIR is required (or --from-json FILE to report an earlier run)")
-    return report(run, args, baseline, gate)
+    return report(run, args, baseline, gate, thresholds, skipped)
 
 
 def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
@@ -209,19 +213,25 @@ def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
     return BenchRun(context(args.bundle, manifest, plan, args.audio, args.env), results)
 
 
-def report(run: BenchRun, args: argparse.Namespace, baseline: list[dict] | None, gate: set[str]) -> int:
+def report(
+    run: BenchRun,
+    args: argparse.Namespace,
+    baseline: list[dict] | None,
+    gate: set[str],
+    thresholds: Thresholds,
+    skipped: str | None = None,
+) -> int:
+    """The headline table (stdout, and the job summary when there is one), the gate's table, the JSON and the
+    chart; then the gate's verdict. Results are written before a regression fails the run."""
     text = markdown(run)
-    regressions = []
+    result = None
     if baseline is not None:
-        current = to_records(run)
-        check_baseline_matches(current, baseline, args.baseline)
-        changes = sorted(compare(current, baseline, gate), key=lambda c: -c.worse_pct)
-        regressions = [c for c in changes if c.worse_pct > args.max_regression]
-        text += (
-            f"\nvs baseline `{args.baseline}` (gate: {', '.join(sorted(gate))}, max regression "
-            f"{args.max_regression:g}%): {len(regressions)} regression(s) in {len(changes)} figures\n"
-        )
-        text += "".join(f"- {'**REGRESSION** ' if c in regressions else ''}{c.describe()}\n" for c in changes)
+        result = evaluate(to_records(run), baseline, args.baseline, gate, thresholds)
+    elif skipped is not None:
+        result = GateResult(args.baseline, frozenset(gate), thresholds, skipped=skipped)
+        _say(f"{NO_BASELINE} ({skipped})")
+    if result is not None:
+        text += "\n" + result.markdown()
     print(text, end="", flush=True)
     if args.env.step_summary:
         with open(args.env.step_summary, "a") as f:
@@ -232,13 +242,6 @@ def report(run: BenchRun, args: argparse.Namespace, baseline: list[dict] | None,
     if args.chart:
         write_chart(run, args.chart)
         _say(f"wrote {args.chart}")
-    if regressions:
-        more = (
-            f" (and {len(regressions) - 1} more: {', '.join(c.metric for c in regressions[1:])})"
-            if len(regressions) > 1
-            else ""
-        )
-        raise RunnerError(
-            f"regression beyond {args.max_regression:g}% vs {args.baseline}: {regressions[0].describe()}{more}"
-        )
+    if result is not None and (error := result.error()):
+        raise RunnerError(error)
     return 0

@@ -1,0 +1,234 @@
+"""bench's regression gate: our figures against a baseline run's, with a threshold per figure or group, and the
+summary of what it compared."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.app.bench.report import FIGURE, FIGURES, GROUPS, HEADLINE, OURS, read_records
+from runner.errors import RunnerError
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """How much worse than the baseline (percent) each gated figure may be: a figure's own threshold, else its
+    group's, else the default."""
+
+    default: float = 20.0
+    per: tuple[tuple[str, float], ...] = ()  # (figure or group, percent), as given
+
+    def limit(self, metric: str) -> float:
+        own = dict(self.per)
+        fig = FIGURE.get(metric)
+        if metric in own:
+            return own[metric]
+        if fig is not None and fig.group in own:
+            return own[fig.group]
+        return self.default
+
+    def describe(self) -> str:
+        return f"{self.default:g}%" + "".join(f", {name} {pct:g}%" for name, pct in self.per)
+
+
+def parse_thresholds(text: str, gate: set[str] | None = None) -> Thresholds:
+    """`--max-regression`: `PCT`, or a comma list of a default `PCT` and `figure=PCT` / `group=PCT` items
+    (`20,decode_tokens_per_s=5,memory=10`). With `gate`, every named figure or group must be one it checks."""
+    flag = f"--max-regression {text}"
+
+    def pct(item: str, value: str) -> float:
+        try:
+            x = float(value.strip().removesuffix("%"))
+        except ValueError:
+            x = math.nan
+        if not math.isfinite(x) or x < 0:
+            raise RunnerError(f"{flag}: {item!r} is not a percentage >= 0 (e.g. 20 or decode_tokens_per_s=5)")
+        return x
+
+    items = [i.strip() for i in str(text).split(",") if i.strip()]
+    if not items:
+        raise RunnerError(f"{flag}: give a percentage, or a comma list such as 20,decode_tokens_per_s=5,memory=10")
+    default, per = None, {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq:
+            if default is not None:
+                raise RunnerError(f"{flag}: two default percentages ({default:g} and {item}); give one")
+            default = pct(item, item)
+            continue
+        if name not in FIGURE and name not in GROUPS:
+            raise RunnerError(f"{flag}: {name} is not a figure or group ({', '.join(GROUPS)})")
+        if name in per:
+            raise RunnerError(f"{flag}: {name} is given twice")
+        per[name] = pct(item, value)
+    if gate is not None:
+        gated = {f.key for f in FIGURES if f.key in gate or f.group in gate}
+        for name in per:
+            if not ({name} | {f.key for f in FIGURES if f.group == name}) & gated:
+                raise RunnerError(f"{flag}: {name} is not gated (--gate {','.join(sorted(gate))}); add it to --gate")
+    return Thresholds(20.0 if default is None else default, tuple(per.items()))
+
+
+@dataclass(frozen=True)
+class Change:
+    metric: str
+    unit: str
+    current: float
+    baseline: float
+    worse_pct: float  # how much worse than the baseline, in percent (negative: better)
+    threshold: float = math.inf  # the most worse_pct may be
+
+    @property
+    def regressed(self) -> bool:
+        return self.worse_pct > self.threshold
+
+    def describe(self) -> str:
+        return (
+            f"{self.metric} {self.current:.4g} {self.unit} vs baseline {self.baseline:.4g} {self.unit} "
+            f"({self.worse_pct:+.1f}% worse)"
+        )
+
+
+def _medians(records: list[dict], backend: str) -> dict[str, tuple[float, dict]]:
+    out = {}
+    for r in records:
+        m = r.get("metric", {})
+        if r.get("model", {}).get("backend") != backend or m.get("name") == "error":
+            continue
+        extra = m.get("extra_info") or {}
+        try:
+            value = float(extra["median"]) if "median" in extra else statistics.median(m["benchmark_values"])
+        except (KeyError, ValueError, TypeError, statistics.StatisticsError):
+            continue
+        out[m["name"]] = (value, extra)
+    return out
+
+
+def compare(
+    current: list[dict], baseline: list[dict], gate: set[str], thresholds: Thresholds | None = None
+) -> list[Change]:
+    """Our figures against the baseline's (medians), for metrics whose name or group is in `gate`."""
+    base, changes = _medians(baseline, OURS), []
+    for name, (value, extra) in _medians(current, OURS).items():
+        fig = FIGURE.get(name)
+        if name not in base or not ({name, fig.group if fig else ""} & gate):
+            continue
+        old = base[name][0]
+        if old <= 0:
+            continue
+        better = extra.get("better", fig.better if fig else "lower")
+        worse = (value / old - 1) * 100 if better == "lower" else (1 - value / old) * 100
+        limit = thresholds.limit(name) if thresholds is not None else math.inf
+        changes.append(Change(name, extra.get("unit", ""), value, old, worse, limit))
+    return changes
+
+
+def check_baseline_matches(current: list[dict], baseline: list[dict], path: Path) -> None:
+    """Same model, device and dtype, or the comparison means nothing (the bundle digest may differ: a new
+    export of the same model is exactly what the gate is for)."""
+
+    def ident(records: list[dict]) -> tuple:
+        r = next((r for r in records if r["model"].get("backend") == OURS), None)
+        if r is None:
+            return ()
+        return (r["model"].get("name"), r["benchmark"].get("extra_info", {}).get("device"), r["benchmark"].get("dtype"))
+
+    a, b = ident(current), ident(baseline)
+    if not b:
+        raise RunnerError(f"{path}: the baseline has no records for {OURS}")
+    if a != b:
+        raise RunnerError(f"{path}: baseline is for {' '.join(map(str, b))}, this run is {' '.join(map(str, a))}")
+
+
+NO_BASELINE = "no baseline yet: gate skipped"
+
+
+def read_baseline(path: Path, optional: bool) -> tuple[list[dict] | None, str | None]:
+    """(records, None), or with `optional` and a missing or empty file (no earlier green run): (None, why)."""
+    if optional:
+        if not Path(path).exists():
+            return None, f"{path} does not exist"
+        if Path(path).is_file() and not Path(path).read_bytes().strip():
+            return None, f"{path} is empty"
+    records = read_records(path)
+    if optional and not records:
+        return None, f"{path} holds no records"
+    return records, None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    baseline: Path
+    gate: frozenset[str]
+    thresholds: Thresholds
+    changes: tuple[Change, ...] = ()  # worst first
+    skipped: str | None = None  # why nothing was compared (no baseline yet)
+
+    @property
+    def regressions(self) -> list[Change]:
+        return [c for c in self.changes if c.regressed]
+
+    def markdown(self) -> str:
+        if self.skipped is not None:
+            return (
+                f"#### Regression gate: {NO_BASELINE}\n\n{self.skipped} (no earlier green run to compare with); "
+                "nothing was compared and the gate passes.\n"
+            )
+        regs = self.regressions
+        lines = [
+            f"#### Regression gate vs `{self.baseline}`: "
+            + (f"**{len(regs)} regression(s)**" if regs else "no regression")
+            + f" in {len(self.changes)} figures",
+            "",
+            f"gated: {', '.join(sorted(self.gate))}; most a figure may be worse than the baseline: "
+            f"{self.thresholds.describe()}",
+            "",
+            "| figure | baseline | now | change | max worse | result |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for c in self.changes:
+            fig = FIGURE.get(c.metric)
+            name = f"{fig.label} ({c.unit})" if fig else f"{c.metric} ({c.unit})"
+            delta = (c.current / c.baseline - 1) * 100
+            how = (
+                "unchanged"
+                if abs(c.worse_pct) < 0.05
+                else f"{abs(c.worse_pct):.1f}% {'worse' if c.worse_pct > 0 else 'better'}"
+            )
+            result = f"**REGRESSION**: {how}" if c.regressed else f"ok: {how}"
+            lines.append(
+                f"| {name} | {_num(c.baseline)} | {_num(c.current)} | {delta:+.1f}% | {c.threshold:g}% | {result} |"
+            )
+        return "\n".join(lines) + "\n"
+
+    def error(self) -> str | None:
+        regs = self.regressions
+        if not regs:
+            return None
+        first = regs[0]
+        more = f" (and {len(regs) - 1} more: {', '.join(c.metric for c in regs[1:])})" if len(regs) > 1 else ""
+        return f"regression beyond {first.threshold:g}% vs {self.baseline}: {first.describe()}{more}"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
+def evaluate(
+    current: list[dict], baseline: list[dict], path: Path, gate: set[str], thresholds: Thresholds
+) -> GateResult:
+    """The gate: our figures in `gate` against the baseline's, each against its threshold; the regressions first
+    (furthest past their threshold first), then the others in the table's order."""
+    check_baseline_matches(current, baseline, path)
+    order = {k: i for i, k in enumerate(dict.fromkeys((*HEADLINE, *FIGURE)))}
+
+    def key(c: Change) -> tuple:
+        return (
+            (0, c.threshold - c.worse_pct, c.metric) if c.regressed else (1, order.get(c.metric, len(order)), c.metric)
+        )
+
+    changes = sorted(compare(current, baseline, gate, thresholds), key=key)
+    return GateResult(path, frozenset(gate), thresholds, tuple(changes))

@@ -139,12 +139,32 @@ def benchmark(session: nox.Session) -> None:
     """Time load, each method and end-to-end generation, beside the eager model.
 
     With no --bundle, builds (or reuses, from the compile cache) the tiny CPU bundle first. Writes the v3 JSON
-    and the chart under artifacts/benchmark/ unless --json / --chart say otherwise; the table goes to stdout."""
+    and the chart under artifacts/benchmark/ unless --json / --chart say otherwise; the table goes to stdout.
+
+    `--baseline-from ARTIFACT` (the session's own option, for CI): fetch the newest successful main run's
+    results artifact of this repository ($GITHUB_REPOSITORY, workflow `--baseline-workflow`, default ci.yml) and
+    gate on it; with none to fetch (a first run, no network) the gate is skipped, and the summary says so."""
     install(session, "bench")
-    args = list(session.posargs)
+    args, baseline_from, workflow = [], None, "ci.yml"
+    posargs = list(session.posargs)
+    while posargs:
+        a = posargs.pop(0)
+        if a in ("--baseline-from", "--baseline-workflow") and posargs:
+            baseline_from, workflow = (
+                (posargs.pop(0), workflow) if a == "--baseline-from" else (baseline_from, posargs.pop(0))
+            )
+        else:
+            args.append(a)
     if not given(args, "--bundle", "--from-json"):
         session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
         args += ["--bundle", DEFAULT_BUNDLE]
+    if baseline_from and not given(args, "--baseline"):
+        dest = "artifacts/baseline"
+        repo = os.environ.get("GITHUB_REPOSITORY", "")
+        fetch = ["python", "-m", "runner", "fetch", "--repo", repo, "--latest", "--branch", "main"]
+        fetch += ["--workflow", workflow, "--name", baseline_from, "--dest", dest, "--files", "--force"]
+        session.run(*fetch, success_codes=[0, 1])  # no baseline is a result: bench says the gate was skipped
+        args += ["--baseline", f"{dest}/benchmark.json", "--baseline-optional"]
     args = defaults(args, json=f"{BENCH_OUT}/results.json", chart=f"{BENCH_OUT}/latency.png")
     session.run("python", "-m", "runner", "bench", *args)
 

@@ -251,7 +251,7 @@ def build_bundle(
             device=opts.device,
             gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
             dtype=dtype_name(dtype),
-            model={**meta, "compile_seconds": report.compile_seconds},
+            model={**meta, "compile_seconds": report.compile_seconds, "compile_cached": report.cached},
             methods={p.name: p.spec for p in plans},
             files=file_entries(stage, files, digests=digests),
             created_by=f"runner {__version__}",

@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -59,6 +60,12 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--debug-compile", action="store_true", help="AOTI debug compile; keep the generated sources in OUT/debug"
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="--out holds files that are not a bundle of ours: add the bundle's files beside them (they are kept) "
+        "instead of refusing",
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -88,6 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         cache_dir=cache_dir,
         check=not args.no_check,
         pdl=env.pdl and not args.no_pdl,
+        force=args.force,
     )
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.
@@ -348,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    # SIGTERM (timeout, a CI cancellation, a closed terminal) unwinds like Ctrl-C, so every `finally` and
+    # `except BaseException` below removes what it was building (an export's stage, a fetch's partial zip)
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (an embedding program's): its own handler stays
+        previous = None
     try:
         # the environment is read here, once; every verb takes its switches from these values
         args.env = Environment.read(os.environ)
@@ -364,9 +378,23 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{_os_reason(e)}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, as KeyboardInterrupt is for SIGINT."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
 
 
 def _finalize_torch_writers(tb) -> None:

@@ -16,7 +16,6 @@ import re
 import shutil
 import stat
 import sys
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import requests
 from runner.app.github import DEFAULT_API_URL, GitHub, RetryPolicy, quiet_urllib3
 from runner.bundle import MANIFEST_NAME, verify_bundle
 from runner.errors import BundleError, FetchError
+from runner.publish import PublishError, make_stage, publish
 
 MAX_RUNS_SCANNED = 30  # --latest looks at this many successful runs, newest first, before giving up
 MAX_ARCHIVE_BYTES = 64 << 30  # the bf16 3B bundle is ~10 GB; anything far past that is not ours
@@ -216,11 +216,14 @@ def extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES
 # ---- the whole verb ----------------------------------------------------------------------------------------------
 
 
-def _prepare_dest(dest: Path, force: bool) -> None:
+def _prepare_dest(dest: Path, force: bool, when: str = "") -> None:
+    """Checked before the download and again before the swap: files may appear in `dest` meanwhile."""
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise FetchError(f"{dest}: exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()) and not force:
-        raise FetchError(f"{dest}: not empty; pass --force to replace it")
+        raise FetchError(
+            f"{dest}: not empty{when}; pass --force to replace it (files that are not a bundle's are kept)"
+        )
 
 
 def fetch_artifact(
@@ -275,8 +278,7 @@ def fetch_artifact(
     log(f"run {run.get('id')} ({run.get('head_branch')}@{sha}): artifact {name} id {artifact['id']}, {size} bytes")
 
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
+        work = make_stage(dest)  # beside dest (one filesystem: the swap is a rename); a killed run's is swept
     except OSError as e:
         raise FetchError(f"{dest}: cannot create a directory beside it ({e.strerror or e})") from None
     try:
@@ -296,13 +298,17 @@ def fetch_artifact(
             what = f"{len(manifest.files)} files verified against {MANIFEST_NAME}"
         else:
             what = f"{sum(1 for p in staged.rglob('*') if p.is_file())} files"
-        if dest.exists():  # empty, or --force: swap in only now that the new one is known good
-            old = work / "previous"
-            dest.rename(old)
-        staged.rename(dest)
+        # swap in only now that the new one is known good, and only over what it may replace
+        _prepare_dest(dest, force, when=" (files appeared in it during the download; nothing was replaced)")
+        try:
+            kept = publish(staged, dest, merge=force)
+        except PublishError as e:
+            raise FetchError(str(e)) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log(f"{dest}: {what} (sha256 {digest[:12]} zip)")
+    if kept is not None:
+        log(f"note: files that were in {dest} beside the old bundle are kept in {kept}")
     return dest
 
 

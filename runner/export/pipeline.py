@@ -28,7 +28,6 @@ from torch import nn
 from runner import __version__
 from runner.bundle import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     DigestCache,
     Manifest,
     default_cache_dir,
@@ -38,6 +37,7 @@ from runner.bundle import (
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dtype_name
+from runner.publish import check_destination, make_stage, publish
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
 
@@ -60,6 +60,7 @@ class ExportOptions:
     cache_dir: Path | None = None  # compile cache and remembered digests (None: bundle.default_cache_dir())
     check: bool = True  # run every method against eager before publishing
     pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
+    force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
 
     @property
     def cache_root(self) -> Path:
@@ -208,8 +209,8 @@ def build_bundle(
     cache_root = opts.cache_root / "compiled"
     digests = DigestCache(opts.cache_root / "digests.json")
     report = ExportReport()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    check_destination(out, merge=opts.force)  # before minutes of compiling: nothing of the user's is replaced
+    stage = make_stage(out)
     try:
         debug_dir = stage / "debug" if opts.debug else None
         written: dict[str, set[str]] = {}  # weights file -> its FQNs
@@ -264,7 +265,9 @@ def build_bundle(
                 for plan in plans:
                     report.max_error[plan.name] = self_check(program, plan, model, dtype)
         stage.chmod(0o755)  # mkdtemp makes it private; a bundle is a normal directory
-        _publish(stage, out)
+        kept = publish(stage, out, merge=opts.force)
+        if kept is not None:
+            log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -302,16 +305,3 @@ def self_check(program: Program, plan: MethodPlan, model: nn.Module, dtype: torc
 def _gpu_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
-
-
-def _publish(stage: Path, out: Path) -> None:
-    """Replace `out` with the finished stage; the old bundle is removed only after the new one is in place."""
-    old = None
-    if out.exists():
-        if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
-            raise ExportError(f"{out}: exists and is not a bundle; refusing to replace it")
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    stage.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -333,7 +333,7 @@ def test_a_corrupt_bundle_inside_a_good_zip_fails_the_manifest_check(gh, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_non_empty_dest_needs_force_and_is_replaced_only_by_a_good_bundle(gh, tmp_path, sleeps):
+def test_non_empty_dest_needs_force_and_keeps_what_is_not_the_bundles(gh, tmp_path, sleeps):
     dest = tmp_path / "out"
     dest.mkdir()
     (dest / "stale.txt").write_text("old")
@@ -343,7 +343,7 @@ def test_non_empty_dest_needs_force_and_is_replaced_only_by_a_good_bundle(gh, tm
         get(gh, tmp_path, sleeps, run_id=1)
     assert gh.requests == []
     get(gh, tmp_path, sleeps, run_id=1, force=True)
-    assert not (dest / "stale.txt").exists()
+    assert (dest / "stale.txt").read_text() == "old"  # not ours to delete: the bundle's files go beside it
     verify_bundle(dest)
 
 

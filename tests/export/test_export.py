@@ -28,6 +28,7 @@ from runner.families.voxtral.tokenizer import Tekken
 from runner.models.mel import LogMelSpectrogram
 from runner.models.voxtral import AudioEncoderMethod, TokenEmbeddingMethod
 from runner.models.voxtral_config import VoxtralConfig
+from runner.publish import PublishError
 from runner.reference.voxtral import model_from_bundle
 from runner.runtime.program import Program
 
@@ -484,7 +485,7 @@ def test_refuses_to_replace_a_directory_that_is_not_a_bundle(tiny_bundle, tiny_c
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
     model, source, tekken = load_checkpoint(tiny_checkpoint)
-    with pytest.raises(ExportError, match="not a bundle"):
+    with pytest.raises(PublishError, match="not a bundle"):
         export_voxtral(model, source, tekken, out, ExportOptions())
     assert (out / "thesis.tex").read_text() == "years of work"
     assert _leftovers(tmp_path) == []

@@ -1,0 +1,170 @@
+"""Putting a finished directory (an exported or fetched bundle) at its destination without losing anything.
+
+- At every instant the destination holds the old bundle or the new one: the two are exchanged in one atomic
+  `renameat2(RENAME_EXCHANGE)` where the kernel has it; elsewhere two renames, with the old bundle kept in a
+  sibling named after this process, which the next run puts back if it finds the destination missing.
+- Only what we created is ever deleted: a destination is replaced only if it is one of our bundles (our manifest,
+  the files it lists, nothing else); after the exchange only the old bundle's own files are removed, so a file
+  someone wrote into it meanwhile stays (and is reported). Anything else is refused, or, when the caller allows
+  it, the new bundle's files are moved in beside the other files, which are kept.
+- Staging directories are named `.<dest>.tmp-<pid>-…` beside the destination; a run sweeps those of processes
+  that are gone (killed mid-export) before it starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from runner.bundle import MANIFEST_NAME, Manifest
+from runner.errors import BundleError, RunnerError
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class PublishError(RunnerError):
+    pass
+
+
+def bundle_files(d: Path) -> set[str] | None:
+    """The entries of `d` that are its bundle's own (the manifest, the files it lists, a `debug/` folder), if `d`
+    is one of our bundles and holds nothing else; else None."""
+    try:
+        manifest = Manifest.from_json((d / MANIFEST_NAME).read_text(errors="replace"), str(d / MANIFEST_NAME))
+    except (OSError, BundleError):
+        return None
+    own = {MANIFEST_NAME, "debug", *(f.split("/")[0] for f in manifest.files)}
+    names = {p.name for p in d.iterdir()}
+    return names if names <= own else None
+
+
+def check_destination(dest: Path, *, merge: bool, what: str = "bundle") -> None:
+    """Refuse, before any work, a destination that holds anything but one of our bundles (unless `merge`)."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise PublishError(f"{dest}: exists and is not a directory")
+    if not dest.is_dir() or merge or not any(dest.iterdir()) or bundle_files(dest) is not None:
+        return
+    others = sorted(p.name for p in dest.iterdir())
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    raise PublishError(
+        f"{dest}: exists and is not a {what} of ours (it holds {shown}); refusing to replace it "
+        "(choose another directory, or --force to add the bundle's files beside the others, which are kept)"
+    )
+
+
+def make_stage(dest: Path) -> Path:
+    """A private staging directory beside `dest` (same filesystem: the publish is a rename), after sweeping the
+    stages of earlier runs that were killed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep(dest)
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
+
+
+def sweep(dest: Path) -> list[Path]:
+    """Remove the stages an interrupted run left beside `dest`, and put back an old bundle a kill between two
+    renames left aside (the destination missing). Only our own names, of processes that are gone."""
+    removed = []
+    for p in dest.parent.glob(f".{dest.name}.*-*"):
+        kind, _, rest = p.name[len(dest.name) + 2 :].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)) or not p.is_dir():
+            continue
+        if kind == "old" and not dest.exists() and bundle_files(p) is not None:
+            p.rename(dest)  # the previous bundle, put back where it was
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def publish(stage: Path, dest: Path, *, merge: bool = False) -> Path | None:
+    """Put `stage` at `dest`. Returns None, or the folder beside `dest` that now holds files which appeared in
+    the old bundle while we worked (they are not ours to delete). `merge`: `dest` holds other files, which stay;
+    the bundle's are added beside them."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise PublishError(f"{dest}: exists and is not a directory")
+    if not dest.exists():
+        stage.rename(dest)
+        return None
+    if not any(dest.iterdir()):
+        dest.rmdir()
+        stage.rename(dest)
+        return None
+    if bundle_files(dest) is None:  # not (or no longer) only a bundle of ours
+        if merge:
+            _merge(stage, dest)
+            return None
+        if not bundle_files_listed(dest):  # no manifest of ours at all: never ours to replace
+            check_destination(dest, merge=False)
+        # ours, with files that appeared since the check: swapped out whole, those files kept (below)
+    return _remove_old(_exchange(stage, dest), dest)
+
+
+def _merge(stage: Path, dest: Path) -> None:
+    old = bundle_files_listed(dest)
+    new = {p.name for p in stage.iterdir()}
+    for name in sorted(new - {MANIFEST_NAME}):
+        _replace(stage / name, dest / name)
+    _replace(stage / MANIFEST_NAME, dest / MANIFEST_NAME)  # last: it points at files already in place
+    for name in sorted(old - new):  # the previous bundle's files the new one does not have
+        (dest / name).unlink(missing_ok=True)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def bundle_files_listed(d: Path) -> set[str]:
+    """The files a manifest in `d` lists (none when there is no readable manifest of ours)."""
+    try:
+        manifest = Manifest.from_json((d / MANIFEST_NAME).read_text(errors="replace"), str(d / MANIFEST_NAME))
+    except (OSError, BundleError):
+        return set()
+    return {f for f in manifest.files if "/" not in f}
+
+
+def _replace(src: Path, dst: Path) -> None:
+    if dst.is_dir() and not dst.is_symlink():
+        shutil.rmtree(dst)  # only a folder of the bundle's (debug/): the new one replaces it
+    os.replace(src, dst)
+
+
+def _exchange(stage: Path, dest: Path) -> Path:
+    """Swap the two directories; returns where the old one is now. Atomic where the kernel can exchange."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:
+        rc = renameat2(_AT_FDCWD, os.fsencode(stage), _AT_FDCWD, os.fsencode(dest), _RENAME_EXCHANGE)
+        if rc == 0:
+            return stage
+    # no exchange here (another OS, an old kernel, a filesystem without it): two renames; a kill between them
+    # leaves `dest` missing and the old bundle in `old`, which sweep() puts back on the next run
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{stage.name.rsplit('-', 1)[-1]}")
+    dest.rename(old)
+    stage.rename(dest)
+    return old
+
+
+def _remove_old(old: Path, dest: Path) -> Path | None:
+    """Delete the previous bundle's own files, then its folder if nothing else is left in it; a folder with
+    other files moves beside `dest` under a visible name (a hidden one would be swept later)."""
+    for name in bundle_files_listed(old) | {MANIFEST_NAME}:
+        (old / name).unlink(missing_ok=True)
+    shutil.rmtree(old / "debug", ignore_errors=True)
+    if not any(old.iterdir()):
+        old.rmdir()
+        return None
+    kept = dest.with_name(f"{dest.name}.kept-{os.getpid()}")
+    old.rename(kept)
+    return kept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

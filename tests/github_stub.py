@@ -121,6 +121,7 @@ class Run:
     workflow: str = "ci.yml"
     conclusion: str = "success"
     head_repo: str | None = None  # None: the repository itself; "someone/fork" for a fork's pull request
+    no_head: bool = False  # the API gave `head_repository: null` (a deleted fork, for one)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class GitHubStub:
             "status": "completed",
             "conclusion": run.conclusion,
             "html_url": f"https://github.com/{self.repo}/actions/runs/{run.id}",
-            "head_repository": {"full_name": head},
+            "head_repository": None if run.no_head else {"full_name": head},
             "repository": {"full_name": self.repo},
         }
 

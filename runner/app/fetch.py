@@ -82,8 +82,10 @@ def find_latest(
     where = " ".join(filter(None, [f"of {workflow}" if workflow else "", f"on {branch}" if branch else ""]))
     scanned = 0
     for run in gh.paginate(path, "workflow_runs", f"runs {where or 'of ' + repo}".strip(), params=params):
-        head = (run.get("head_repository") or {}).get("full_name")
-        if head and head.lower() != repo.lower() and not allow_forks:
+        head = run.get("head_repository")
+        head = head.get("full_name") if isinstance(head, dict) else None
+        # a run whose origin is unknown (no head repository) counts as foreign, as a fork's does
+        if not allow_forks and (not isinstance(head, str) or head.lower() != repo.lower()):
             continue
         scanned += 1
         artifact, _ = _pick(_run_artifacts(gh, repo, int(run["id"])), name)

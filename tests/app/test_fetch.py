@@ -131,6 +131,17 @@ def test_latest_picks_newest_successful_run_on_branch_and_skips_forks_and_expire
     assert (out / "tekken.json").read_text() == '{"seed": 5}'
 
 
+def test_latest_counts_a_run_of_unknown_origin_as_foreign(gh, tmp_path, sleeps):
+    gh.add_run(1, head_branch="main")
+    gh.add_artifact(11, NAME, 1, fake_bundle_zip(tmp_path, seed=1))
+    gh.add_run(2, head_branch="main", no_head=True)  # newer, but whose code it built is unknown
+    gh.add_artifact(21, NAME, 2, fake_bundle_zip(tmp_path, seed=2))
+    out = get(gh, tmp_path, sleeps, latest=True, branch="main")
+    assert (out / "tekken.json").read_text() == '{"seed": 1}'
+    out = get(gh, tmp_path, sleeps, latest=True, branch="main", allow_forks=True, dest=tmp_path / "any")
+    assert (out / "tekken.json").read_text() == '{"seed": 2}'
+
+
 def test_latest_without_a_match_says_where_it_looked(gh, tmp_path, sleeps):
     gh.add_run(1, head_branch="main")
     with pytest.raises(FetchError) as e:

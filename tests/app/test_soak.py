@@ -112,7 +112,9 @@ class Trend:
 def check_flat(trend: Trend, what: str, *, rss_kb_per_step: float, rss_kb_total: float) -> None:
     print("\n" + trend.report(what))
     s0, s1 = trend.samples[0], trend.samples[-1]
-    assert trend.spread("fds") == 0, f"{what}: open fds changed: {[s['fds'] for s in trend.samples]}"
+    # a leak opens descriptors; one an earlier test left to the garbage collector may close mid-run
+    fds = [s["fds"] for s in trend.samples]
+    assert max(fds) <= fds[0], f"{what}: open fds grew: {fds}"
     assert trend.spread("libs") == 0, f"{what}: mapped libraries changed: {[s['libs'] for s in trend.samples]}"
     assert s1["threads"] <= s0["threads"], f"{what}: threads grew {s0['threads']} -> {s1['threads']}"
     slope = trend.slope("rss_kb")

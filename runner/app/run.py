@@ -148,6 +148,8 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
     reference = None
     if args.reference == "eager":
         reference = MultimodalRunner(eager_engine(program.bundle_dir, program.manifest), tok, family.audio_id)
+    if getattr(args, "max_wer", None) is not None and not getattr(args, "wer", None):
+        raise RunnerError("--max-wer needs --wer TRANSCRIPTS.json: there is nothing to score without references")
     references = wer.read_references(args.wer) if getattr(args, "wer", None) else None
     scores: list[wer.FileWER] = []
     golden = _read_golden(args.expect_tokens, program) if args.expect_tokens else None

@@ -62,6 +62,13 @@ class ExportOptions:
     pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
     force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
 
+    def __post_init__(self):
+        for flag, value in (("--max-seq-len", self.max_seq_len), ("--max-audio-chunks", self.max_audio_chunks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ExportError(f"{flag} {value}: a whole number, at least 1")
+        if self.dtype not in DTYPES:
+            raise ExportError(f"--dtype {self.dtype}: choose from {', '.join(DTYPES)}")
+
     @property
     def cache_root(self) -> Path:
         return Path(self.cache_dir or default_cache_dir())

@@ -7,6 +7,7 @@ prompts, its windows (Whisper: one per 30 s); `generate_windows` runs them in or
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -69,8 +70,13 @@ class GenerationOptions:
             raise GenerationError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
         if self.min_new_tokens < 0:
             raise GenerationError(f"--min-new-tokens {self.min_new_tokens}: must be >= 0")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise GenerationError("--temperature must be >= 0 and --top-p in (0, 1]")
+        # `not (... )` also refuses NaN, which every comparison calls false (a NaN temperature sampled greedily)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise GenerationError(f"--temperature {self.temperature}: a finite number >= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"--top-p {self.top_p}: a number in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise GenerationError(f"--seed {self.seed}: a whole number from 0 to 2**63 - 1")
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,9 @@ class GenerationResult:
         return out
 
 
+_MIN_TEMPERATURE = 1e-250  # |float32 logit| / this stays finite in float64
+
+
 class Sampler:
     """Greedy at temperature 0; otherwise temperature + top-p from a seeded generator."""
 
@@ -105,7 +114,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:  # logits [1, V] -> token [1, 1]
         if self.generator is None:
             return logits.argmax(dim=-1, keepdim=True)
-        probs = torch.softmax(logits / self.temperature, dim=-1)
+        # float64 and a floor on the temperature: a tiny one (1e-40) overflowed float32 into NaN probabilities;
+        # at the floor the distribution is already one-hot on the argmax, the limit as the temperature goes to 0
+        probs = torch.softmax(logits.double() / max(self.temperature, _MIN_TEMPERATURE), dim=-1)
         if self.top_p < 1.0:
             sorted_p, idx = probs.sort(dim=-1, descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # always keeps the most likely token

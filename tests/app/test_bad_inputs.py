@@ -1,0 +1,54 @@
+"""Bad option values end as one `error:` line naming the option, exit 1, before any work (issue 23, "one line for
+every bad input"), and the values at the edge of the valid range work: a temperature of 1e-40 samples the
+argmax (the limit as the temperature goes to 0) instead of raising on NaN probabilities."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runner.app.cli import main
+
+AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio" / "short.wav"
+
+
+def error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--temperature", "nan"], "--temperature nan"),  # NaN compared false to everything: it ran greedy
+        (["--temperature", "inf"], "--temperature inf"),
+        (["--temperature", "-1"], "--temperature -1"),
+        (["--top-p", "0"], "--top-p 0"),
+        (["--temperature", "1", "--seed", str(2**70)], "--seed"),  # overflowed in manual_seed, a traceback
+        (["--temperature", "1", "--seed", "-3"], "--seed -3"),
+        (["--max-wer", "0.5"], "--max-wer needs --wer"),  # silently ignored before
+    ],
+)
+def test_a_bad_run_option_is_one_line(tiny_bundle, capsys, extra, needle):
+    argv = ["run", "--bundle", str(tiny_bundle), "--audio", str(AUDIO), "--max-new-tokens", "4", *extra]
+    assert main(argv) == 1
+    assert needle in error_line(capsys)
+
+
+def test_a_tiny_temperature_samples_the_argmax(tiny_bundle, capsys):
+    base = ["run", "--bundle", str(tiny_bundle), "--audio", str(AUDIO), "--max-new-tokens", "8", "--json"]
+    assert main([*base, "--temperature", "1e-40", "--seed", "3"]) == 0
+    sampled = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(base) == 0
+    assert sampled == json.loads(capsys.readouterr().out)["tokens"]
+
+
+@pytest.mark.parametrize("chunks", ["0", "-1"])
+def test_a_bad_export_size_is_one_line_before_compiling(tmp_path, capsys, chunks):
+    out = tmp_path / "b"
+    assert main(["export", "--preset", "tiny", "--device", "cpu", "--max-audio-chunks", chunks, "--out", str(out)]) == 1
+    assert f"--max-audio-chunks {chunks}: a whole number, at least 1" in error_line(capsys)
+    assert list(tmp_path.iterdir()) == []

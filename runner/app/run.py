@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from runner.app import wer
-from runner.errors import RunnerError
+from runner.errors import AudioError, GenerationError, RunnerError, TokenizerError
 from runner.families import family_for
 from runner.reference import eager_engine
 from runner.runtime.engine import ProgramEngine
@@ -161,7 +161,6 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
 
     try:
         for path in args.audio:
-            windows = family.prompts(path, args.prompt, args.language, engine.max_audio_chunks)
             if not args.json:
                 print(f"== {path}", file=sys.stderr)
             stats = copy.copy(load)
@@ -170,7 +169,16 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
                 text_out.write(text)
                 text_out.flush()
 
-            result = runner.generate_windows(windows, opts, on_text=stream, stats=stats)
+            try:
+                windows = family.prompts(path, args.prompt, args.language, engine.max_audio_chunks)
+                result = runner.generate_windows(windows, opts, on_text=stream, stats=stats)
+            except (AudioError, GenerationError, TokenizerError) as e:  # this file's fault: its record, then the next
+                failures.append(str(e))
+                summary.rows.append(FileRow(Path(path).name, f"**error**: {_md(str(e))[:120]}"))
+                if args.json:
+                    sys.stdout.write(json.dumps({"audio": str(path), "error": str(e)}) + "\n")
+                    sys.stdout.flush()
+                continue
             text_out.write("\n")
             row = FileRow(Path(path).name, result.text)
             if result.stop_reason == "context":

@@ -52,3 +52,19 @@ def test_a_bad_export_size_is_one_line_before_compiling(tmp_path, capsys, chunks
     assert main(["export", "--preset", "tiny", "--device", "cpu", "--max-audio-chunks", chunks, "--out", str(out)]) == 1
     assert f"--max-audio-chunks {chunks}: a whole number, at least 1" in error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_file_among_several_gets_its_record_and_the_rest_go_on(tiny_bundle, tmp_path, capsys):
+    """One broken file in the middle of a batch: every file gets its JSON record (an error record for the bad
+    one), the files after it are transcribed, and the exit code says something failed."""
+    bad = tmp_path / "broken.wav"
+    bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot audio")
+    argv = ["run", "--bundle", str(tiny_bundle), "--json", "--max-new-tokens", "4"]
+    for f in (AUDIO, bad, AUDIO.with_name("speech.wav")):
+        argv += ["--audio", str(f)]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [Path(r["audio"]).name for r in records] == ["short.wav", "broken.wav", "speech.wav"]
+    assert "error" in records[1] and str(bad) in records[1]["error"] and len(records[2]["tokens"]) == 4
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {records[1]['error']}"]

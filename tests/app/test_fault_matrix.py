@@ -230,8 +230,9 @@ def test_audio_fault(case, tiny_bundle, work, capsys):
     path = make(indir)
     before, bundle_before = tree(work), tree(tiny_bundle)
     o = cli(capsys, "run", "--bundle", tiny_bundle, "--audio", path, "--max-new-tokens", 4, "--json")
-    one_error(o, "audio", case, str(path), *needles)
-    assert o.out == ""
+    line = one_error(o, "audio", case, str(path), *needles)
+    # stdout: the file's record, an error record carrying that same line (so a batch's JSON has every file)
+    assert [json.loads(x) for x in o.out.splitlines()] == [{"audio": str(path), "error": line.removeprefix("error: ")}]
     assert tree(work) == before and tree(tiny_bundle) == bundle_before
 
 
@@ -249,8 +250,9 @@ def test_a_bad_file_after_a_good_one_keeps_the_good_result(tiny_bundle, work, ca
     bad = _non_finite(work / "nan.wav", np.nan)
     o = cli(capsys, "run", "--bundle", tiny_bundle, "--audio", AUDIO / "short.wav", "--audio", bad, "--json")
     one_error(o, "audio", "good file then NaN file", str(bad), "NaN")
-    (rec,) = [json.loads(line) for line in o.out.splitlines()]  # the first file's record is complete
+    rec, err = [json.loads(line) for line in o.out.splitlines()]  # the first file's record is complete
     assert rec["audio"] == str(AUDIO / "short.wav") and rec["tokens"]
+    assert err["audio"] == str(bad) and "NaN" in err["error"]
 
 
 # ---------------------------------------------------------------- bundle

@@ -55,6 +55,21 @@ def value(args: list[str], flag: str) -> str | None:
     return found
 
 
+def session_options(posargs, **options: str | None) -> tuple[dict, list[str]]:
+    """Split a session's own options (name=default; `--name VALUE` or `--name=VALUE`, underscores as dashes)
+    from the arguments that go on to the CLI verb."""
+    flags = {"--" + name.replace("_", "-"): name for name in options}
+    values, rest, args = dict(options), list(posargs), []
+    while rest:
+        a = rest.pop(0)
+        flag, eq, v = a.partition("=")
+        if flag in flags:
+            values[flags[flag]] = v if eq else (rest.pop(0) if rest else "")
+        else:
+            args.append(a)
+    return values, args
+
+
 def defaults(args: list[str], **flags) -> list[str]:
     """`args` plus each default the user did not give (theirs win): name=value adds `--name value` (underscores
     as dashes); name=[...] adds those arguments as they are (a repeatable flag)."""
@@ -91,16 +106,8 @@ def e2e(session: nox.Session) -> None:
     With no --bundle, builds (or reuses, from the compile cache) the tiny bundle first. Arguments go to
     `python -m runner run` (`--flag VALUE` or `--flag=VALUE`); defaults are added only for what is not given.
     `--model whisper-tiny` runs the Whisper tiny.en bundle instead, with a word-error-rate check (e2e_whisper)."""
-    args, model = [], "tiny"
-    posargs = list(session.posargs)
-    while posargs:  # --model is the session's own option, not the CLI's
-        a = posargs.pop(0)
-        if a == "--model":
-            model = posargs.pop(0) if posargs else ""
-        elif a.startswith("--model="):
-            model = a.split("=", 1)[1]
-        else:
-            args.append(a)
+    own, args = session_options(session.posargs, model="tiny")  # --model is the session's, not the CLI's
+    model = own["model"]
     if model in WHISPER_MODELS:
         return e2e_whisper(session, WHISPER_MODELS[model], args)
     if model not in ("tiny", "voxtral-tiny"):
@@ -145,16 +152,8 @@ def benchmark(session: nox.Session) -> None:
     results artifact of this repository ($GITHUB_REPOSITORY, workflow `--baseline-workflow`, default ci.yml) and
     gate on it; with none to fetch (a first run, no network) the gate is skipped, and the summary says so."""
     install(session, "bench")
-    args, baseline_from, workflow = [], None, "ci.yml"
-    posargs = list(session.posargs)
-    while posargs:
-        a = posargs.pop(0)
-        if a in ("--baseline-from", "--baseline-workflow") and posargs:
-            baseline_from, workflow = (
-                (posargs.pop(0), workflow) if a == "--baseline-from" else (baseline_from, posargs.pop(0))
-            )
-        else:
-            args.append(a)
+    own, args = session_options(session.posargs, baseline_from=None, baseline_workflow="ci.yml")
+    baseline_from, workflow = own["baseline_from"], own["baseline_workflow"]
     if not given(args, "--bundle", "--from-json"):
         session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
         args += ["--bundle", DEFAULT_BUNDLE]

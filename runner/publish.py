@@ -30,28 +30,39 @@ class PublishError(RunnerError):
     pass
 
 
+def _manifest(d: Path) -> Manifest | None:
+    """The manifest of ours in `d`, if it has a readable one."""
+    try:
+        return Manifest.from_json((d / MANIFEST_NAME).read_text(errors="replace"), str(d / MANIFEST_NAME))
+    except (OSError, BundleError):
+        return None
+
+
+def _check_directory(dest: Path) -> None:
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise PublishError(f"{dest}: exists and is not a directory")
+
+
 def bundle_files(d: Path) -> set[str] | None:
     """The entries of `d` that are its bundle's own (the manifest, the files it lists, a `debug/` folder), if `d`
     is one of our bundles and holds nothing else; else None."""
-    try:
-        manifest = Manifest.from_json((d / MANIFEST_NAME).read_text(errors="replace"), str(d / MANIFEST_NAME))
-    except (OSError, BundleError):
+    manifest = _manifest(d)
+    if manifest is None:
         return None
     own = {MANIFEST_NAME, "debug", *(f.split("/")[0] for f in manifest.files)}
     names = {p.name for p in d.iterdir()}
     return names if names <= own else None
 
 
-def check_destination(dest: Path, *, merge: bool, what: str = "bundle") -> None:
+def check_destination(dest: Path, *, merge: bool) -> None:
     """Refuse, before any work, a destination that holds anything but one of our bundles (unless `merge`)."""
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise PublishError(f"{dest}: exists and is not a directory")
+    _check_directory(dest)
     if not dest.is_dir() or merge or not any(dest.iterdir()) or bundle_files(dest) is not None:
         return
     others = sorted(p.name for p in dest.iterdir())
     shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
     raise PublishError(
-        f"{dest}: exists and is not a {what} of ours (it holds {shown}); refusing to replace it "
+        f"{dest}: exists and is not a bundle of ours (it holds {shown}); refusing to replace it "
         "(choose another directory, or --force to add the bundle's files beside the others, which are kept)"
     )
 
@@ -85,8 +96,7 @@ def publish(stage: Path, dest: Path, *, merge: bool = False) -> Path | None:
     """Put `stage` at `dest`. Returns None, or the folder beside `dest` that now holds files which appeared in
     the old bundle while we worked (they are not ours to delete). `merge`: `dest` holds other files, which stay;
     the bundle's are added beside them."""
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise PublishError(f"{dest}: exists and is not a directory")
+    _check_directory(dest)
     if not dest.exists():
         stage.rename(dest)
         return None
@@ -117,11 +127,8 @@ def _merge(stage: Path, dest: Path) -> None:
 
 def bundle_files_listed(d: Path) -> set[str]:
     """The files a manifest in `d` lists (none when there is no readable manifest of ours)."""
-    try:
-        manifest = Manifest.from_json((d / MANIFEST_NAME).read_text(errors="replace"), str(d / MANIFEST_NAME))
-    except (OSError, BundleError):
-        return set()
-    return {f for f in manifest.files if "/" not in f}
+    manifest = _manifest(d)
+    return {f for f in manifest.files if "/" not in f} if manifest is not None else set()
 
 
 def _replace(src: Path, dst: Path) -> None:

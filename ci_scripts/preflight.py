@@ -1,17 +1,26 @@
 """The GPU workflow's first job, on a hosted runner, in seconds: is there a GPU runner to send the jobs to, and
 are the dispatch inputs ones the jobs can run? One `error:` line (and a `::error::` annotation) per problem.
+When all is well it writes the jobs' matrix (`matrix=` JSON, with --github-output): by default every preset in
+CELLS at the chosen dtype; a dispatch may pick one preset, or a checkpoint (one cell).
 
-    python ci_scripts/preflight.py   # reads CUDA_RUNNER_LABEL, PRESET, CHECKPOINT, DTYPE, MAX_NEW_TOKENS, BENCHMARK_RUNS
+    python ci_scripts/preflight.py [--github-output FILE]
+        # reads CUDA_RUNNER_LABEL, PRESET, CHECKPOINT, DTYPE, MAX_NEW_TOKENS, BENCHMARK_RUNS
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import sys
 from collections.abc import Mapping
 
 PRESETS = ("voxtral-mini-3b", "tiny")
+# The matrix's cells: (cell key, preset, random weights). The cell key names the export job's digest output
+# (`digest-<cell>` in cuda.yml), so a new cell needs a line there too.
+CELLS = (("tiny", "tiny", False), ("3b", "voxtral-mini-3b", True))
+ALL = "all"
 DTYPES = ("bf16", "fp32")
 MAX_NEW_TOKENS = (1, 4096)
 BENCHMARK_RUNS = (1, 100)
@@ -34,8 +43,8 @@ def problems(env: Mapping[str, str]) -> list[str]:
     checkpoint = env.get("CHECKPOINT", "")
     if checkpoint and not (checkpoint.startswith("/") or HUB_ID.match(checkpoint)):
         out.append(f"checkpoint {checkpoint!r}: a hub id (OWNER/NAME) or an absolute path on the runner")
-    if not checkpoint and env.get("PRESET", "") not in PRESETS:
-        out.append(f"preset {env.get('PRESET', '')!r}: choose from {', '.join(PRESETS)}")
+    if not checkpoint and env.get("PRESET", "") not in (*PRESETS, ALL):
+        out.append(f"preset {env.get('PRESET', '')!r}: choose from {', '.join((ALL, *PRESETS))}")
     if env.get("DTYPE", "") not in DTYPES:
         out.append(f"dtype {env.get('DTYPE', '')!r}: choose from {', '.join(DTYPES)}")
     for name, (lo, hi) in (("MAX_NEW_TOKENS", MAX_NEW_TOKENS), ("BENCHMARK_RUNS", BENCHMARK_RUNS)):
@@ -45,14 +54,40 @@ def problems(env: Mapping[str, str]) -> list[str]:
     return out
 
 
-def main(env: Mapping[str, str] | None = None) -> int:
-    found = problems(os.environ if env is None else env)
+def matrix(env: Mapping[str, str]) -> dict:
+    """The matrix for valid inputs: {"include": [{cell, preset, checkpoint, random-init, dtype}, ...]}."""
+    dtype, checkpoint, preset = env.get("DTYPE", ""), env.get("CHECKPOINT", ""), env.get("PRESET", ALL)
+    if checkpoint:
+        cells = [("checkpoint", "", False)]
+    else:
+        cells = [c for c in CELLS if preset in (ALL, c[1])]
+    include = [
+        {"cell": cell, "preset": p, "checkpoint": checkpoint, "random-init": str(rand).lower(), "dtype": dtype}
+        for cell, p, rand in cells
+    ]
+    return {"include": include}
+
+
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--github-output", help="append matrix=<JSON> here ($GITHUB_OUTPUT)")
+    args = ap.parse_args(argv)
+    env = os.environ if env is None else env
+    found = problems(env)
     for p in found:
         print(f"::error::{p}")
         print(f"error: {p}", file=sys.stderr)
-    if not found:
-        print("preflight: a GPU runner is configured and the inputs are valid")
-    return 1 if found else 0
+    if found:
+        return 1
+    cells = matrix(env)
+    print(
+        "preflight: a GPU runner is configured and the inputs are valid; cells: "
+        + ", ".join(c["cell"] for c in cells["include"])
+    )
+    if args.github_output:
+        with open(args.github_output, "a") as f:
+            f.write(f"matrix={json.dumps(cells, separators=(',', ':'))}\n")
+    return 0
 
 
 if __name__ == "__main__":

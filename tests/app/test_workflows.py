@@ -86,6 +86,11 @@ def test_github_workflow_schema_reports_nothing():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_actionlint_reports_nothing():
+    r = subprocess.run([tool("actionlint"), *map(str, FILES.values())], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_zizmor_offline_reports_nothing():
     r = subprocess.run(
         [tool("zizmor"), "--offline", "--no-progress", *map(str, FILES.values())],
@@ -148,7 +153,7 @@ def test_the_hugging_face_token_is_only_in_the_cuda_hub_download_step():
     job_id, s = found[0]
     assert job_id == "export-artifact"
     assert s["env"] == {"HF_TOKEN": "${{ secrets.HF_TOKEN }}"}
-    assert "inputs.checkpoint" in s["if"], "the token is read only when a checkpoint is asked for"
+    assert "matrix.checkpoint" in s["if"], "the token is read only when a checkpoint is asked for"
 
 
 def test_gpu_jobs_wait_for_the_preflight_skip_fork_pull_requests_and_benchmarks_queue():
@@ -156,7 +161,7 @@ def test_gpu_jobs_wait_for_the_preflight_skip_fork_pull_requests_and_benchmarks_
     pre, export = w["jobs"]["preflight"], w["jobs"]["export-artifact"]
     assert "head.repo.full_name == github.repository" in pre["if"] and "'cuda'" in pre["if"]  # the label
     assert pre["runs-on"] == "ubuntu-latest" and export["needs"] == "preflight"
-    assert all(w["jobs"][j]["needs"] == "export-artifact" for j in ("benchmark", "e2e"))
+    assert all(w["jobs"][j]["needs"] == ["preflight", "export-artifact"] for j in ("benchmark", "e2e"))
     assert w["concurrency"]["cancel-in-progress"] is False
     bench = w["jobs"]["benchmark"]["concurrency"]
     assert bench["cancel-in-progress"] is False and "benchmark" in bench["group"]
@@ -172,10 +177,33 @@ def test_preflight_fails_in_one_line_per_problem_without_a_gpu_runner_or_with_ba
     r = script("preflight.py", env={**bad, "PATH": "/usr/bin:/bin"})
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode == 1 and len(errors) == 4, r.stderr
-    assert "CUDA_RUNNER_LABEL" in errors[0] and "choose from voxtral-mini-3b, tiny" in errors[1]
+    assert "CUDA_RUNNER_LABEL" in errors[0] and "choose from all, voxtral-mini-3b, tiny" in errors[1]
     assert r.stdout.count("::error::") == 4  # annotations on the run's page
     ckpt = script("preflight.py", env={**good, "CHECKPOINT": "not a hub id", "PATH": "/usr/bin:/bin"})
     assert ckpt.returncode == 1 and "a hub id (OWNER/NAME) or an absolute path" in ckpt.stderr
+
+
+def test_preflight_writes_the_matrix_every_preset_one_preset_or_one_checkpoint(tmp_path):
+    base = {"CUDA_RUNNER_LABEL": "gpu-h200", "DTYPE": "bf16", "MAX_NEW_TOKENS": "128", "BENCHMARK_RUNS": "5"}
+    base |= {"CHECKPOINT": "", "PATH": "/usr/bin:/bin"}
+
+    def cells(**env) -> list[dict]:
+        out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+        r = script("preflight.py", "--github-output", out, env={**base, **env})
+        assert r.returncode == 0, r.stderr
+        return json.loads(read_outputs(out)["matrix"])["include"]
+
+    every = cells(PRESET="all")
+    assert [(c["cell"], c["preset"], c["random-init"], c["dtype"]) for c in every] == [
+        ("tiny", "tiny", "false", "bf16"),
+        ("3b", "voxtral-mini-3b", "true", "bf16"),
+    ]
+    assert [c["cell"] for c in cells(PRESET="tiny", DTYPE="fp32")] == ["tiny"]
+    (one,) = cells(PRESET="all", CHECKPOINT="mistralai/Voxtral-Mini-3B-2507")
+    assert one["cell"] == "checkpoint" and one["checkpoint"] == "mistralai/Voxtral-Mini-3B-2507"
+    # every cell's digest has an output key on the export job
+    outputs = load(FILES["cuda"])["jobs"]["export-artifact"]["outputs"]
+    assert {f"digest-{c['cell']}" for c in [*every, one]} <= set(outputs)
 
 
 def test_ci_installs_the_cpu_torch_wheel():
@@ -201,7 +229,7 @@ def test_triggers_are_pull_request_push_to_main_and_dispatch_and_the_gpu_ones_ar
 
 def test_cuda_dispatch_inputs_are_typed():
     inputs = on(load(FILES["cuda"]))["workflow_dispatch"]["inputs"]
-    assert inputs["preset"]["type"] == "choice" and "voxtral-mini-3b" in inputs["preset"]["options"]
+    assert inputs["preset"]["type"] == "choice" and {"all", "voxtral-mini-3b"} <= set(inputs["preset"]["options"])
     assert inputs["checkpoint"]["type"] == "string"
     assert inputs["dtype"]["type"] == "choice" and set(inputs["dtype"]["options"]) == {"bf16", "fp32"}
     assert inputs["max-new-tokens"]["type"] == "number" and inputs["benchmark-runs"]["type"] == "number"
@@ -214,7 +242,9 @@ def test_both_workflows_have_the_three_jobs_wired_the_same_way(wf):
     name, w = wf
     jobs = w["jobs"]
     assert set(GRAPH) <= set(jobs)
-    assert jobs["benchmark"]["needs"] == "export-artifact" and jobs["e2e"]["needs"] == "export-artifact"
+    for job_id in ("benchmark", "e2e"):
+        needs = jobs[job_id]["needs"]
+        assert "export-artifact" in ([needs] if isinstance(needs, str) else needs), f"{name}/{job_id}"
     if name == "ci":
         assert {"lint", "tests"} <= set(jobs)
 
@@ -247,23 +277,34 @@ def test_each_job_is_its_nox_session_and_every_session_exists():
     assert {s["name"] for s in json.loads(r.stdout)} == wanted
 
 
-def resolve_needs_output(w: dict, value: str) -> tuple[str, str]:
-    """`${{ needs.J.outputs.K }}` -> (J, the expression job J gives output K)."""
-    m = re.fullmatch(r"needs\.([\w-]+)\.outputs\.([\w-]+)", expr(value))
-    assert m, f"{value} does not come from a needed job's outputs"
-    return m.group(1), expr(w["jobs"][m.group(1)]["outputs"][m.group(2)])
+def cells(w: dict, job_id: str) -> list[dict]:
+    """A job's matrix cells (ci.yml lists them; cuda.yml's come from the preflight)."""
+    matrix = w["jobs"][job_id]["strategy"]["matrix"]
+    return matrix["include"] if isinstance(matrix, dict) else []
+
+
+def named_by(job: dict) -> str:
+    (step,) = [s for s in steps(job) if s.get("id") == "bundle"]
+    return step["run"]
 
 
 def test_downloads_name_the_artifact_the_export_job_uploads(wf):
+    """The jobs after export name the bundle by the same rule, from the same cell, and download it there."""
     name, w = wf
     export = w["jobs"]["export-artifact"]
     (upload,) = [s for s in step_using(export, "actions/upload-artifact")]
+    assert expr(upload["with"]["name"]) == "steps.bundle.outputs.name"
+    exported = {c["cell"]: c for c in cells(w, "export-artifact")}
     for job_id in ("benchmark", "e2e"):
-        (download,) = step_using(w["jobs"][job_id], "actions/download-artifact")
-        src_job, name_expr = resolve_needs_output(w, download["with"]["name"])
-        assert src_job == "export-artifact" and name_expr == expr(upload["with"]["name"]), f"{name}/{job_id}"
-        _, dir_expr = resolve_needs_output(w, download["with"]["path"])
-        assert dir_expr == "steps.bundle.outputs.dir", f"{name}/{job_id} downloads into the exported directory"
+        job = w["jobs"][job_id]
+        assert named_by(job) == named_by(export), f"{name}/{job_id} names the bundle another way"
+        assert job["env"]["PRESET"] == export["env"]["PRESET"] and job["env"]["DTYPE"] == export["env"]["DTYPE"]
+        for c in cells(w, job_id):  # each cell one the export job has, with the same preset and dtype
+            assert {k: exported[c["cell"]][k] for k in ("preset", "dtype")} == {k: c[k] for k in ("preset", "dtype")}
+        (download,) = step_using(job, "actions/download-artifact")
+        assert expr(download["with"]["name"]) == "steps.bundle.outputs.name", f"{name}/{job_id}"
+        assert expr(download["with"]["path"]) == "steps.bundle.outputs.dir", f"{name}/{job_id}"
+    assert w["jobs"]["export-artifact"]["strategy"]["fail-fast"] is False
 
 
 def test_the_exported_directory_is_checked_and_exactly_its_manifest_files_are_uploaded(wf):
@@ -284,7 +325,14 @@ def test_the_exported_directory_is_checked_and_exactly_its_manifest_files_are_up
 
 def test_downloaded_bundles_are_checked_against_the_exported_digest_before_use(wf):
     name, w = wf
-    assert expr(w["jobs"]["export-artifact"]["outputs"]["bundle-digest"]) == "steps.check.outputs.bundle-digest"
+    export = w["jobs"]["export-artifact"]
+    (digest,) = [s for s in steps(export) if s.get("id") == "digest"]
+    assert expr(digest["env"]["DIGEST"]) == "steps.check.outputs.bundle-digest"
+    assert digest["run"] == 'echo "digest-${CELL}=${DIGEST}" >> "$GITHUB_OUTPUT"'
+    for key, value in export["outputs"].items():  # one key per cell, each from that cell's step
+        assert key.startswith("digest-") and expr(value) == f"steps.digest.outputs.{key}", f"{name}: {key}"
+    for c in cells(w, "export-artifact"):
+        assert f"digest-{c['cell']}" in export["outputs"], f"{name}: cell {c['cell']} has no digest output"
     for job_id in ("benchmark", "e2e"):
         job = w["jobs"][job_id]
         runs = [s.get("run", "") for s in steps(job)]
@@ -292,7 +340,7 @@ def test_downloaded_bundles_are_checked_against_the_exported_digest_before_use(w
         i_nox = next(i for i, r in enumerate(runs) if "nox -s" in r)
         assert '--expect-digest "$BUNDLE_DIGEST"' in runs[i_check] and i_check < i_nox, f"{name}/{job_id}"
         assert '--bundle "$BUNDLE_DIR"' in runs[i_nox]
-        assert resolve_needs_output(w, job["env"]["BUNDLE_DIGEST"])[1] == "steps.check.outputs.bundle-digest"
+        assert expr(job["env"]["BUNDLE_DIGEST"]) == "needs.export-artifact.outputs[format('digest-{0}', matrix.cell)]"
 
 
 def test_uploads_fail_on_no_files_and_set_retention(wf):
@@ -305,9 +353,6 @@ def test_uploads_fail_on_no_files_and_set_retention(wf):
             assert int(s["with"]["retention-days"]) > 0, f"{name}/{job_id}"
     (bundle,) = step_using(w["jobs"]["export-artifact"], "actions/upload-artifact")
     assert bundle["with"]["compression-level"] == 0
-    outputs = w["jobs"]["export-artifact"]["outputs"]
-    assert expr(outputs["artifact-id"]) == "steps.upload.outputs.artifact-id"
-    assert expr(outputs["artifact-digest"]) == "steps.upload.outputs.artifact-digest"
 
 
 def test_benchmark_results_are_uploaded_and_summarised(wf):

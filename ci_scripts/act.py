@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--event", default="workflow_dispatch")
     p.add_argument("--python-version", default=None, help="what setup-python is asked for (default: this Python's)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="more job environment")
+    p.add_argument(
+        "--matrix", action="append", default=[], metavar="KEY:VALUE", help="only the matrix cells with this value"
+    )
     args = p.parse_args(argv)
 
     act = shutil.which("act")
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-m", "pip", "config", "get", "global.extra-index-url"], capture_output=True, text=True
         ).stdout.strip()
         env["PIP_EXTRA_INDEX_URL"] = index  # the workflow's PyTorch index is out of reach offline
+    for item in args.matrix:
+        cmd += ["--matrix", item]
     for item in args.env:
         name, _, value = item.partition("=")
         env[name] = value

@@ -9,6 +9,11 @@ wrong size or digest, or when the bundle is not the one expected. With --github-
 the upload step uploads, so nothing unchecked travels). Files in DIR the manifest does not name are warned about.
 With --summary it appends the job summary: the files table, the total size, the bundle digest and each method's
 compile time (the manifest's model.compile_seconds; with model.compile_cached, whether it came from the cache).
+
+A random-init bundle that records how its weights were drawn does not ship them: they are left out of
+`upload-paths` (unless --with-weights), may be absent when a downloaded bundle is checked, and are drawn again
+and checked against their digests by `python -m runner export --regenerate DIR` (the benchmark and e2e sessions
+do it) before anything loads them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner/ without installing it (stdlib only here)
 
-from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, verify_bundle  # noqa: E402
+from runner.bundle import (  # noqa: E402
+    MANIFEST_NAME,
+    Manifest,
+    bundle_digest,
+    read_manifest,
+    regenerable_weights,
+    verify_bundle,
+)  # noqa: E402
 from runner.errors import RunnerError  # noqa: E402
 
 REQUIRED_FILES = ("tekken.json",)  # beyond each method's library and weights, which verify_bundle requires
@@ -46,7 +58,7 @@ def roles(manifest: Manifest) -> dict[str, str]:
 
 def check(bundle_dir: Path, expect_digest: str | None = None) -> tuple[Manifest, str, list[str]]:
     """(manifest, bundle digest, unlisted files); raises RunnerError."""
-    manifest = verify_bundle(bundle_dir)
+    manifest = verify_bundle(bundle_dir, absent=regenerable_weights(read_manifest(bundle_dir)))
     missing = [f for f in required_files(manifest) if f not in manifest.files]
     if missing:
         raise RunnerError(f"{bundle_dir / MANIFEST_NAME}: does not list {', '.join(missing)}")
@@ -82,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expect-digest", help="fail unless model.pte's sha256 is this (the export job's output)")
     ap.add_argument("--github-output", type=Path, help="append step outputs here ($GITHUB_OUTPUT)")
     ap.add_argument("--summary", type=Path, help="append a markdown table here ($GITHUB_STEP_SUMMARY)")
+    ap.add_argument("--with-weights", action="store_true", help="upload a random-init bundle's weights too")
     args = ap.parse_args(argv)
     try:
         manifest, digest, unlisted = check(args.bundle, args.expect_digest)
@@ -89,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-    rows = table(manifest, args.bundle, digest)
+    drawn = set() if args.with_weights else regenerable_weights(manifest)
+    rows = [(n, f"{role} (not uploaded: drawn again)" if n in drawn else role, size, sha)
+            for n, role, size, sha in table(manifest, args.bundle, digest)]  # fmt: skip
     total = sum(int(r[2]) for r in rows)
     width, role_width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     for name, role, size, sha in rows:
@@ -99,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in unlisted:
         print(f"warning: {args.bundle / name} is not in {MANIFEST_NAME}; it is not uploaded", file=sys.stderr)
 
+    if drawn:
+        left = sum(manifest.files[n].size for n in drawn)
+        print(f"{args.bundle}: weights not uploaded ({human(left)}, random-init: drawn again from the manifest's "
+              "record by `python -m runner export --regenerate DIR`)")  # fmt: skip
     if args.github_output:
-        paths = "\n".join(str(args.bundle / r[0]) for r in rows)
+        paths = "\n".join(str(args.bundle / r[0]) for r in rows if r[0] not in drawn)
         with open(args.github_output, "a") as f:
             f.write(f"bundle-digest={digest}\nbundle-bytes={total}\nbundle-files={len(rows)}\n")
             f.write(f"upload-paths<<__PATHS__\n{paths}\n__PATHS__\n")

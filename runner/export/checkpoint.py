@@ -45,9 +45,11 @@ class ModelSource:
     name: str  # checkpoint dir name or preset name
     weights_digest: str
     seed: int | None = None
+    generator: str | None = None  # random-init: what drew the weights (runner/export/regenerate.py draws them again)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "weights_digest": self.weights_digest, "seed": self.seed}
+        d = {"kind": self.kind, "name": self.name, "weights_digest": self.weights_digest, "seed": self.seed}
+        return d | ({"generator": self.generator} if self.generator else {})
 
 
 def _normalise_key(k: str) -> str:
@@ -113,7 +115,13 @@ def random_model(
     with torch.device("meta"):
         model = Voxtral(config)
     model = model.to_empty(device=device).to(dtype).init_weights(seed)
-    return model.eval(), ModelSource("random-init", preset_name, digest, seed)
+    return model.eval(), ModelSource("random-init", preset_name, digest, seed, generator_id(device))
+
+
+def generator_id(device: str) -> str:
+    """What draws random_model's weights: the same seed gives the same numbers only on the same torch and device
+    type (CUDA's Philox and the CPU's Mersenne Twister differ). Recorded, so the weights can be drawn again."""
+    return f"torch {torch.__version__} {torch.device(device).type}"
 
 
 def write_tiny_checkpoint(dest: Path) -> Path:

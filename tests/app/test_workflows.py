@@ -420,6 +420,39 @@ def test_check_bundle_lists_the_manifest_files_and_uploads_exactly_those(tmp_pat
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "not the exported one" in r.stderr
 
 
+def test_a_random_init_bundle_is_uploaded_without_its_weights_and_checked_without_them(tmp_path):
+    from runner.bundle import read_manifest, write_manifest
+
+    bundle = tmp_path / "b"
+    write_fake_bundle(bundle)
+    m = read_manifest(bundle)
+    source = {"kind": "random-init", "name": "voxtral-mini-3b", "weights_digest": "0" * 64, "seed": 0}
+    write_manifest(bundle, type(m)(**{**m.__dict__, "model": {**m.model, "source": source | {"generator": "g"}}}))
+    weights = {s.weights for s in m.methods.values()}
+    out = tmp_path / "out"
+    r = script("check_bundle.py", bundle, "--github-output", out)
+    assert r.returncode == 0, r.stderr
+    assert "weights not uploaded" in r.stdout and "--regenerate" in r.stdout
+    uploaded = {Path(p).name for p in read_outputs(out)["upload-paths"].splitlines()}
+    assert uploaded == {"model.pte", *m.files} - weights
+    digest = read_outputs(out)["bundle-digest"]
+    r = script("check_bundle.py", bundle, "--github-output", tmp_path / "all", "--with-weights")
+    assert {Path(p).name for p in read_outputs(tmp_path / "all")["upload-paths"].splitlines()} >= weights
+
+    # downloaded: the weights are not there, everything else is checked as before
+    for name in weights:
+        (bundle / name).unlink()
+    assert script("check_bundle.py", bundle, "--expect-digest", digest).returncode == 0
+    lib = bundle / "audio_encoder.so"
+    lib.write_bytes(b"X" + lib.read_bytes()[1:])
+    r = script("check_bundle.py", bundle, "--expect-digest", digest)
+    assert r.returncode == 1 and "audio_encoder.so" in r.stderr
+    # a bundle without that record must have its weights
+    write_manifest(bundle, m)
+    r = script("check_bundle.py", bundle)
+    assert r.returncode == 1 and "missing" in r.stderr
+
+
 def test_check_bundle_fails_with_one_line_on_a_corrupt_or_missing_file(tmp_path):
     bundle = tmp_path / "b"
     write_fake_bundle(bundle)

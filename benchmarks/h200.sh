@@ -4,13 +4,21 @@
 #   setup    always first (implied): system g++ for AOTInductor, the carried wheels (.whl/*.whl) into /tmp/site,
 #            compile caches under artifacts/ (kept on a warm machine), nvidia-smi and the torch versions
 #   tests    the CUDA tests: pytest $CUDA_TESTS (default tests/cuda)
-#   export   the 3B random-init bf16 bundle -> $BUNDLE (default artifacts/3b); a failed export stops later modes
+#   export   the 3B random-init bf16 bundle -> $BUNDLE (default artifacts/3b) with $EXPORT_ARGS (default
+#            "--max-seq-len 1024 --max-audio-chunks 1", the headline shape; EXPORT_ARGS="" is the default capacity,
+#            10 minutes); a failed export stops later modes
 #   bench    the same-run comparison: ours and $COMPARE (default hf,hf-compile) -> bench_3b.{json,md,png,log}
+#   long     $LONG_SECONDS (default 600) of speech (the fixtures, repeated) through $BUNDLE in one prompt, beside
+#            $LONG_COMPARE (default hf-compile) -> bench_long.{json,md,log}
+#   regen    the random-init bundle's weights drawn again into a copy without them: every digest must match;
+#            prints what the artifact weighs with and without its weights
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
 #   profile  profile_decode.py's kernel table of the bundle ($PROFILE_ARGS, default --no-ceilings)
 #   kernels  decode_kernels.py --parts $KERNEL_PARTS (default tune) --fill $KERNEL_FILL (default 450)
 #   whisper  Whisper tiny.en exported and run for each of $WHISPER_DTYPES (fp32 bf16), graph and no graph, WER
 #   soak     the tiny bf16 CUDA bundle with 4 chunks, then the soak tests on it ($SOAK_TESTS)
+#   realtime the 4B Voxtral Realtime random-init bf16 bundle ($RT_STREAMS stream slots) -> $RT_BUNDLE, then
+#            `stream --bench` on it ($RT_BENCH_ARGS) -> realtime.{md,json,log}; its summary row holds the headline
 #
 # Modes run in the order given, each under its own time limit: T_<MODE> seconds (defaults below), cut to what is
 # left of BUDGET (default 565 s, under the device's 600 s). Results go to $OUT (the device machine gives an empty
@@ -36,21 +44,31 @@ T_PROFILE=${T_PROFILE:-90}
 T_KERNELS=${T_KERNELS:-540}
 T_WHISPER=${T_WHISPER:-540}
 T_SOAK=${T_SOAK:-540}
+T_REALTIME=${T_REALTIME:-480}
+T_LONG=${T_LONG:-420}
+T_REGEN=${T_REGEN:-180}
 MIN_MODE_S=20  # a mode with less time than this left is skipped, not started
 
 BUNDLE=${BUNDLE:-artifacts/3b}
 CUDA_TESTS=${CUDA_TESTS:-tests/cuda}
 COMPARE=${COMPARE:-hf,hf-compile}
+EXPORT_ARGS=${EXPORT_ARGS---max-seq-len 1024 --max-audio-chunks 1}
+LONG_SECONDS=${LONG_SECONDS:-600}
+LONG_COMPARE=${LONG_COMPARE:-hf-compile}
 AB_A=${AB_A-}  # set but empty: no flags (the default settings)
 AB_B=${AB_B---no-pdl}
 PROFILE_ARGS=${PROFILE_ARGS:---no-ceilings}
 KERNEL_PARTS=${KERNEL_PARTS:-tune}
 KERNEL_FILL=${KERNEL_FILL:-450}
 WHISPER_DTYPES=${WHISPER_DTYPES:-fp32 bf16}
+RT_BUNDLE=${RT_BUNDLE:-artifacts/rt4b}
+RT_STREAMS=${RT_STREAMS:-64}
+# the long stream is cut at --long-limit-s of wall clock: the JSON and the row say how many minutes it reached
+RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-seconds 10 --long-minutes 60 --long-limit-s 100}
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench ab profile kernels whisper soak"
+MODES="setup tests export bench long regen ab profile kernels whisper soak realtime"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -127,8 +145,10 @@ mode_tests() {
 
 mode_export() {
   local rc
+  local extra
+  read -ra extra <<< "$EXPORT_ARGS"
   run_for "$T_EXPORT" python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
-    --max-seq-len "${MAX_SEQ_LEN:-1024}" --max-audio-chunks "${CHUNKS:-1}" --out "$BUNDLE" > "$OUT/3b_export.log" 2>&1
+    "${extra[@]}" --out "$BUNDLE" > "$OUT/3b_export.log" 2>&1
   rc=$?
   grep -E "compiled|error vs|^error" "$OUT/3b_export.log" | head -20
   if ((rc != 0)) || [ ! -f "$BUNDLE/model.pte" ]; then
@@ -155,6 +175,54 @@ mode_bench() {
   else
     NOTE="no JSON written (rc $rc)"
   fi
+  return $rc
+}
+
+mode_long() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local rc chunks wav=/tmp/long.wav
+  chunks=$(( (LONG_SECONDS + 29) / 30 ))
+  python3 - "$wav" "$LONG_SECONDS" <<'PY' || { NOTE="could not make the long audio"; return 1; }
+import sys, numpy as np, soundfile as sf
+from runner.audio import load_audio
+parts = [load_audio(f"fixtures/audio/{n}") for n in ("speech.wav", "long_35s.flac", "speech_48k_stereo.wav")]
+gap = np.zeros(8000, np.float32)
+seq = [x for p in parts for x in (p, gap)]
+need = int(float(sys.argv[2]) * 16000)
+wave = np.concatenate(seq * (need // sum(map(len, seq)) + 1))[:need]
+sf.write(sys.argv[1], wave, 16000)
+PY
+  run_for "$T_LONG" python3 -m runner bench --bundle "$BUNDLE" --audio "$wav" --chunks "$chunks" --runs 3 --warmup 1 \
+    --language en --min-new-tokens 128 --max-new-tokens 128 --compare "$LONG_COMPARE" \
+    --json "$OUT/bench_long.json" > "$OUT/bench_long.md" 2> "$OUT/bench_long.log"
+  rc=$?
+  tail -3 "$OUT/bench_long.log"
+  cat "$OUT/bench_long.md"
+  if [ -s "$OUT/bench_long.json" ]; then
+    NOTE="${LONG_SECONDS} s: $(figures "$OUT/bench_long.json" | paste -sd ';' | sed 's/;/; /g')"
+  else
+    NOTE="no JSON written (rc $rc)"
+  fi
+  return $rc
+}
+
+mode_regen() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local copy=artifacts/regen rc
+  rm -rf "$copy" && mkdir -p "$copy"
+  python3 ci_scripts/check_bundle.py "$BUNDLE" --github-output "$OUT/regen_outputs.txt" | tail -2
+  # what the artifact carries: the upload paths check_bundle gives (weights left out for a random-init bundle)
+  while read -r f; do cp "$f" "$copy/"; done < <(sed -n '/^upload-paths<</,/^__PATHS__/p' "$OUT/regen_outputs.txt" | sed '1d;$d')
+  local with without
+  with=$(du -sb "$BUNDLE" | cut -f1)
+  without=$(du -sb "$copy" | cut -f1)
+  run_for "$T_REGEN" python3 -m runner export --regenerate "$copy" > "$OUT/regen.log" 2>&1
+  rc=$?
+  cat "$OUT/regen.log"
+  ((rc == 0)) && python3 ci_scripts/check_bundle.py "$copy" > /dev/null && rc=0 || rc=1
+  NOTE="artifact $((with / 1000000)) MB with weights, $((without / 1000000)) MB without; regenerated: $([ $rc = 0 ] && echo 'every digest matches' || echo FAILED)"
+  echo "  $NOTE"
+  rm -rf "$copy"
   return $rc
 }
 
@@ -264,6 +332,42 @@ mode_soak() {
   return $rc
 }
 
+mode_realtime() {
+  local rc args
+  # the compile cache under artifacts/ makes a second export on a warm machine a matter of loading and checking
+  run_for 330 python3 -m runner export --preset voxtral-mini-4b-realtime --random-init --device cuda --dtype bf16 \
+    --max-streams "$RT_STREAMS" --out "$RT_BUNDLE" > "$OUT/realtime_export.log" 2>&1
+  rc=$?
+  grep -E "compiled|cached|error vs|^error" "$OUT/realtime_export.log" | head -10
+  if ((rc != 0)) || [ ! -f "$RT_BUNDLE/model.pte" ]; then
+    tail -30 "$OUT/realtime_export.log"
+    NOTE="realtime export failed (rc $rc)"
+    return $((rc == 0 ? 1 : rc))
+  fi
+  read -ra args <<< "$RT_BENCH_ARGS"
+  run_for "$T_REALTIME" python3 -m runner stream --bench --bundle "$RT_BUNDLE" "${args[@]}" \
+    --bench-json "$OUT/realtime.json" > "$OUT/realtime.md" 2> "$OUT/realtime.log"
+  rc=$?
+  tail -20 "$OUT/realtime.log"
+  cat "$OUT/realtime.md"
+  if [ -s "$OUT/realtime.json" ]; then
+    NOTE=$(python3 - "$OUT/realtime.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+lat = next(x for x in r["latency"] if x["batch"] == 1)
+print(f"step p50/p99 {r['step_ms_p50']:.2f}/{r['step_ms_p99']:.2f} ms (<= 3); decode {r['decode_tokens_per_s']:.0f} tok/s "
+      f"(>= 400); held {r['max_streams_held']} of {r['max_streams']} (>= 64); token latency p99 "
+      f"{lat['token_latency_ms_p99']:.2f} ms (<= 15); memory growth {r['memory_growth_mib']:+.1f} MiB over "
+      f"{r['long_stream']['minutes']:g} min (0)")
+PY
+)
+  else
+    NOTE="no JSON written (rc $rc)"
+  fi
+  echo "  $NOTE"
+  return $rc
+}
+
 # ---- the call ----------------------------------------------------------------------------------------------------
 
 if (($# == 0)); then usage; exit 2; fi
@@ -306,7 +410,7 @@ for m in "${todo[@]}"; do
 done
 
 # at most 8 files come back from $OUT: past that, pack them all and keep the headline ones beside the pack
-keep=(summary.md bench_3b.json bench_3b.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
+keep=(summary.md realtime.md realtime.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
   whisper_cuda_fp32_e2e.jsonl whisper_cuda_bf16_e2e.jsonl 3b_export.log env.txt)
 {
   echo "| mode | status | s | limit s | result |"

@@ -54,7 +54,7 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
     _check_wav_not_truncated(path)
 
     try:
-        with sf.SoundFile(path) as f:
+        with sf.SoundFile(os.fsencode(path)) as f:  # bytes: a name that is not UTF-8 (soundfile encodes str so)
             declared, sr = f.frames, f.samplerate
             _check_plausible(path, sr, declared, f.channels)  # before read() allocates what the header claims
             data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
@@ -93,6 +93,57 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
 def num_chunks(num_samples: int) -> int:
     """How many 30 s chunks `num_samples` samples need (ceil); at least one, so empty input still has a chunk."""
     return max(1, math.ceil(num_samples / N_SAMPLES))
+
+
+# ---------------------------------------------------------------- capacity: how much audio one prompt takes
+
+DEFAULT_AUDIO_CHUNKS = 20  # the export default: 10 minutes of audio in one prompt
+PROMPT_ROOM = 16  # decoder positions a prompt's text takes beside its audio (transcription: 4 to 8)
+# The answer room the default context leaves per chunk: 4 tokens a second, above dense read speech (~3 words a
+# second at ~1.3 Tekken tokens a word), so the transcript of a full prompt fits after it.
+ANSWER_TOKENS_PER_SECOND = 4
+ANSWER_TOKENS_PER_CHUNK = ANSWER_TOKENS_PER_SECOND * CHUNK_LENGTH
+DEFAULT_ANSWER_TOKENS = 128  # `run`'s cap on new tokens for short audio (longer audio: ANSWER_TOKENS_PER_SECOND)
+MIN_ANSWER_ROOM = 64  # the least room for an answer an export may leave after its longest audio and the prompt
+
+
+def context_for(chunks: int) -> int:
+    """The default --max-seq-len for `chunks` 30 s chunks: their audio positions, the prompt and the answer room,
+    rounded up to a multiple of 512 (1 chunk: 512, 2: 1024, 20: 10240, 60: 30208)."""
+    need = chunks * (TOKENS_PER_CHUNK + ANSWER_TOKENS_PER_CHUNK) + PROMPT_ROOM
+    return -(-need // 512) * 512
+
+
+# ---------------------------------------------------------------- windows: audio longer than one prompt takes
+
+CUT_FRAME = SAMPLE_RATE // 10  # 100 ms: the unit the quietest point is chosen in
+CUT_SEARCH = 10 * SAMPLE_RATE  # how far before a window's limit its cut is looked for
+
+
+def window_bounds(wave: np.ndarray, capacity: int) -> list[tuple[int, int]]:
+    """[start, end) sample ranges, each at most `capacity` samples, that cover `wave` end to end: one range if it
+    fits. Otherwise each window ends at the quietest point near its limit: the 100 ms frame of least energy
+    (the latest of equals) among those in the last 10 s before the limit (the last third of the capacity, if
+    that is shorter), cut at the frame's middle; the next window starts there. Only those 10 s are read."""
+    n = len(wave)
+    search = max(CUT_FRAME, min(CUT_SEARCH, capacity // 3) // CUT_FRAME * CUT_FRAME)
+    bounds, start = [], 0
+    while n - start > capacity:
+        limit = start + capacity
+        frames = wave[limit - search : limit].reshape(-1, CUT_FRAME)  # a view: frames ending at the limit
+        energy = np.square(frames, dtype=np.float64).sum(axis=1)
+        last_min = len(energy) - 1 - int(np.argmin(energy[::-1]))
+        cut = limit - search + last_min * CUT_FRAME + CUT_FRAME // 2
+        bounds.append((start, cut))
+        start = cut
+    bounds.append((start, n))
+    return bounds
+
+
+def audio_windows(wave: np.ndarray, max_chunks: int) -> list[np.ndarray]:
+    """`wave` cut into windows of at most `max_chunks` chunks (window_bounds); views into it, never copies, so
+    a long recording is held in memory once however many windows it takes."""
+    return [wave[s:e] for s, e in window_bounds(wave, max_chunks * N_SAMPLES)]
 
 
 def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from runner.errors import BundleError
+from runner.manifest_fields import FieldError, check_dtype, check_name, check_shape, check_top, is_int, need
 
 MANIFEST_NAME = "model.pte"
 FORMAT_NAME = "voxtral-aoti-bundle"
@@ -24,6 +25,9 @@ CHUNK_BYTES = 64 << 20  # files larger than this also get a sha256 per 64 MiB pi
 METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")  # required
 # Optional: the decoder exported for one token, sharing text_decoder's weights file (and so its KV cache).
 STEP_METHOD = "text_decoder_step"
+# A family whose bundle is made of other methods (the streaming steps of runner/families/voxtral_realtime).
+FAMILY_METHOD_NAMES = {"voxtral-realtime": ("preprocessor", "encoder_step", "decoder_step")}
+MAX_MANIFEST_BYTES = 16 << 20  # a 3B bundle's model.pte is ~10 kB: anything near this is not a manifest
 UNLISTED_REFUSED = (".so", ".safetensors")  # code and weights: in the bundle only if the manifest pins them
 
 # A dimension is either a fixed int or a dynamic range; `multiple` is for the waveform (whole 30 s chunks).
@@ -37,8 +41,13 @@ class TensorSpec:
     shape: list[Dim]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
-        return cls(name=d["name"], dtype=d["dtype"], shape=list(d["shape"]))
+    def from_dict(cls, d: dict[str, Any], where: str = "tensor") -> TensorSpec:
+        need(isinstance(d, dict), where, d, "an object with name, dtype and shape")
+        return cls(
+            name=check_name(f"{where}.name", d.get("name")),
+            dtype=check_dtype(f"{where}.dtype", d.get("dtype")),
+            shape=check_shape(f"{where}.shape", d.get("shape")),
+        )
 
     def describe(self) -> str:
         dims = ", ".join(str(d) if isinstance(d, int) else f"{d['min']}..{d['max']}" for d in self.shape)
@@ -64,15 +73,32 @@ class MethodSpec:
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> MethodSpec:
-        if not isinstance(d["library"], str) or not isinstance(d.get("weights"), (str, type(None))):
-            raise TypeError(f"method {name}: library and weights must be file names")  # used as paths and keys
+        at = f"methods.{name}"
+        need(isinstance(d, dict), at, d, "an object")
+        library, weights = d.get("library"), d.get("weights")
+        check_name(f"{at}.library", library)  # used as paths and keys
+        need(weights is None or (isinstance(weights, str) and weights), f"{at}.weights", weights, "null or a file name")
+        tensors = {}
+        for kind in ("inputs", "outputs"):
+            need(isinstance(d.get(kind), list), f"{at}.{kind}", d.get(kind), "a list of tensors")
+            tensors[kind] = [TensorSpec.from_dict(x, f"{at}.{kind}[{i}]") for i, x in enumerate(d[kind])]
+        state = d.get("state", {})
+        need(isinstance(state, dict), f"{at}.state", state, "an object of buffer name -> shape and dtype")
+        for k, v in state.items():
+            need(isinstance(v, dict), f"{at}.state.{k}", v, "an object with shape and dtype")
         return cls(
             name=name,
-            library=d["library"],
-            weights=d.get("weights"),
-            inputs=[TensorSpec.from_dict(x) for x in d["inputs"]],
-            outputs=[TensorSpec.from_dict(x) for x in d["outputs"]],
-            state={k: StateSpec(shape=list(v["shape"]), dtype=v["dtype"]) for k, v in d.get("state", {}).items()},
+            library=library,
+            weights=weights,
+            inputs=tensors["inputs"],
+            outputs=tensors["outputs"],
+            state={
+                k: StateSpec(
+                    shape=check_shape(f"{at}.state.{k}.shape", v.get("shape"), dynamic=False),
+                    dtype=check_dtype(f"{at}.state.{k}.dtype", v.get("dtype")),
+                )
+                for k, v in state.items()
+            },
         )
 
 
@@ -138,12 +164,17 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise BundleError(f"{source}: not a {FORMAT_NAME} manifest")
         version = d.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not is_int(version, 1):
+            raise BundleError(f"{source}: malformed manifest: format_version {version!r} is not a version number")
+        if version > FORMAT_VERSION:
             raise BundleError(
                 f"{source}: format version {version!r} is newer than this runner reads ({FORMAT_VERSION}); "
                 "upgrade the runner"
             )
         try:
+            check_top(d)
+            for rel, v in d["files"].items():
+                need(isinstance(v, dict), f"files.{rel}", v, "an object with sha256 and size")
             return cls(
                 format_version=version,
                 torch_version=d["torch_version"],
@@ -155,12 +186,9 @@ class Manifest:
                 files={k: FileEntry(**v) for k, v in d["files"].items()},
                 created_by=d.get("created_by", "runner"),
             )
-        except (
-            KeyError,
-            TypeError,
-            ValueError,
-            AttributeError,
-        ) as e:  # AttributeError: e.g. a list where a dict belongs
+        except FieldError as e:
+            raise BundleError(f"{source}: malformed manifest: {e}") from None
+        except (TypeError, ValueError) as e:  # TypeError: a file entry with unknown fields
             raise BundleError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
@@ -209,9 +237,13 @@ class DigestCache:
         self.path = path or default_cache_dir() / "digests.json"
         self.rehash = rehash
         try:
-            self.entries = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
+            entries = json.loads(self.path.read_text())
+        except (OSError, ValueError, RecursionError):
+            entries = {}
+        # only a cache: anything but {stat key: digest} is ignored, and rebuilt as files are hashed
+        if not isinstance(entries, dict):
+            entries = {}
+        self.entries = {k: v for k, v in entries.items() if _is_digest(v)}
         self.dirty = False
 
     @staticmethod
@@ -255,13 +287,16 @@ class DigestCache:
 
 
 def safe_member(bundle_dir: Path, rel: str) -> Path:
-    """Resolve a manifest path inside the bundle; refuse absolute paths, `..` and symlinks."""
+    """Resolve a manifest path inside the bundle; refuse absolute paths, `..` and links: the file's own, and a
+    directory's on the way to it (`lib/x.so` with `lib` a link out of the bundle is outside it)."""
     p = PurePosixPath(rel)
-    if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
+    if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel or "\0" in rel:
         raise BundleError(f"manifest names a path outside the bundle: {rel!r}")
-    full = bundle_dir / p
-    if full.is_symlink():
-        raise BundleError(f"{full}: links are not allowed in a bundle")
+    full = bundle_dir
+    for part in p.parts:
+        full = full / part
+        if full.is_symlink():
+            raise BundleError(f"{full}: links are not allowed in a bundle")
     return full
 
 
@@ -300,8 +335,12 @@ def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
         raise BundleError(f"{bundle_dir}: that is the manifest; pass the bundle directory, {bundle_dir.parent}")
     if not bundle_dir.is_dir():
         raise BundleError(f"{bundle_dir}: no such bundle directory")
+    if path.is_symlink():  # the manifest pins every other file: one read from outside the bundle pins nothing
+        raise BundleError(f"{path}: links are not allowed in a bundle")
     if not path.is_file():
         raise BundleError(f"{path}: missing (is {bundle_dir} a bundle?)")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:  # read whole below: bound it first
+        raise BundleError(f"{path}: {path.stat().st_size} bytes; not a manifest (those are a few kB)")
     return Manifest.from_json(path.read_text(errors="replace"), source=str(path))
 
 
@@ -332,9 +371,11 @@ def verify_bundle(
         for rel in filter(None, (method.library, method.weights)):
             if rel not in manifest.files:
                 raise BundleError(f"{bundle_dir / MANIFEST_NAME}: method {method.name} uses {rel}, not listed in files")
-    missing = [m for m in METHOD_NAMES if m not in manifest.methods]
+    required = FAMILY_METHOD_NAMES.get(manifest.model.get("family"), METHOD_NAMES)
+    missing = [m for m in required if m not in manifest.methods]
     if missing:
         raise BundleError(f"{bundle_dir / MANIFEST_NAME}: methods missing: {', '.join(missing)}")
+    _check_roles(manifest, bundle_dir / MANIFEST_NAME)
     # A library or weight file the manifest does not pin is a mixed or tampered bundle (e.g. a new export copied
     # over an old one): refuse it rather than leave it beside the code we load.
     listed = {part for rel in manifest.files for part in PurePosixPath(rel).parts[:1]}
@@ -364,19 +405,37 @@ def verify_bundle(
     return manifest
 
 
+def _check_roles(manifest: Manifest, source: Path) -> None:
+    """Each file has one role. A method's library is its own (a manifest pointing audio_encoder at
+    text_decoder.so would run one method's code as another's) and never a weights file or the tokenizer; the
+    tokenizer is pinned like every other file. Methods may share a weights file (text_decoder_step binds
+    text_decoder's)."""
+    tokenizer = manifest.model["tokenizer"]
+    if tokenizer not in manifest.files:
+        raise BundleError(f"{source}: the tokenizer {tokenizer} is not listed in files")
+    others = {m.weights for m in manifest.methods.values()} | {tokenizer, MANIFEST_NAME}
+    owner: dict[str, str] = {}
+    for m in manifest.methods.values():
+        if m.library in owner:
+            raise BundleError(f"{source}: methods {owner[m.library]} and {m.name} name one library, {m.library}")
+        if m.library in others:
+            raise BundleError(f"{source}: method {m.name}'s library {m.library} is also a weights or tokenizer file")
+        owner[m.library] = m.name
+
+
 def _verify_digests(entries: dict[str, FileEntry], paths: dict[str, Path], cache: DigestCache) -> None:
     """Every file against its manifest digest: a remembered digest costs nothing; a chunked file is hashed
-    piece by piece on every core (and then remembered as verified); any other file is hashed whole."""
+    piece by piece on every core (and then remembered as verified); any other file is hashed whole. A remembered
+    digest that disagrees is hashed again before it counts: the cache is only a cache."""
     mismatch = "sha256 does not match the manifest (corrupt or modified file)"
     pool = ThreadPoolExecutor(max_workers=_workers())
     try:
         jobs = {}
         for rel, entry in entries.items():
             known = cache.known(paths[rel])
-            if known is not None:
-                if known != entry.sha256:
-                    raise BundleError(f"{paths[rel]}: {mismatch}")
-            elif entry.chunks:
+            if known == entry.sha256:
+                continue
+            if entry.chunks:
                 jobs[rel] = [(o, n, want, pool.submit(sha256_range, paths[rel], o, n)) for o, n, want in entry.pieces()]
             else:
                 jobs[rel] = [(0, entry.size, entry.sha256, pool.submit(sha256_file, paths[rel]))]

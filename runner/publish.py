@@ -24,6 +24,9 @@ from runner.errors import BundleError, RunnerError
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+PROVENANCE_NAME = "provenance.json"  # where `fetch` records the CI run and artifact a bundle came from
+# a bundle's own entries besides the manifest and the files it lists
+_OWN_EXTRAS = ("debug", PROVENANCE_NAME)
 
 
 class PublishError(RunnerError):
@@ -49,9 +52,27 @@ def bundle_files(d: Path) -> set[str] | None:
     manifest = _manifest(d)
     if manifest is None:
         return None
-    own = {MANIFEST_NAME, "debug", *(f.split("/")[0] for f in manifest.files)}
+    own = {MANIFEST_NAME, *_OWN_EXTRAS, *(f.split("/")[0] for f in manifest.files)}
     names = {p.name for p in d.iterdir()}
     return names if names <= own else None
+
+
+def absolute_destination(dest: Path) -> Path:
+    """`dest` as an absolute path (`--out .` has no name to stage a bundle beside), refused where it is or holds
+    the current directory: publishing swaps the directory, and the shell would be left in the removed one."""
+    full = Path(os.path.abspath(dest))
+    if full == full.parent:
+        raise PublishError(f"{dest}: the root directory cannot hold a bundle; name a directory for it")
+    try:
+        cwd = Path.cwd()
+    except OSError:  # the current directory was removed: nothing to protect
+        return full
+    if cwd == full or full in cwd.parents:
+        raise PublishError(
+            f"{dest}: is the current directory{' or holds it' if cwd != full else ''}; a bundle is published by "
+            "replacing the whole directory: name another one, or run from elsewhere"
+        )
+    return full
 
 
 def check_destination(dest: Path, *, merge: bool) -> None:
@@ -122,6 +143,8 @@ def _merge(stage: Path, dest: Path) -> None:
     _replace(stage / MANIFEST_NAME, dest / MANIFEST_NAME)  # last: it points at files already in place
     for name in sorted(old - new):  # the previous bundle's files the new one does not have
         (dest / name).unlink(missing_ok=True)
+    if old and PROVENANCE_NAME not in new:  # the old bundle's record would say where the new one came from
+        (dest / PROVENANCE_NAME).unlink(missing_ok=True)
     shutil.rmtree(stage, ignore_errors=True)
 
 
@@ -156,7 +179,7 @@ def _exchange(stage: Path, dest: Path) -> Path:
 def _remove_old(old: Path, dest: Path) -> Path | None:
     """Delete the previous bundle's own files, then its folder if nothing else is left in it; a folder with
     other files moves beside `dest` under a visible name (a hidden one would be swept later)."""
-    for name in bundle_files_listed(old) | {MANIFEST_NAME}:
+    for name in bundle_files_listed(old) | {MANIFEST_NAME, PROVENANCE_NAME}:
         (old / name).unlink(missing_ok=True)
     shutil.rmtree(old / "debug", ignore_errors=True)
     if not any(old.iterdir()):

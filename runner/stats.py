@@ -34,21 +34,50 @@ class Stats:
     gpu_free_after_load_bytes: int = -1
     gpu_peak_usage_mb: float = -1.0
     peak_rss_mb: float = 0.0
+    # Audio longer than one prompt takes runs as several prompt windows: the counts above are their sums, the
+    # timestamps span them all, and the durations below are summed over them (below 0: one window, whose
+    # durations the timestamps give).
+    windows: int = 1
+    prompt_eval_total_ms: float = -1.0
+    generation_total_ms: float = -1.0
+    decode_total_ms: float = -1.0
 
     @property
     def ttft_ms(self) -> float:
         return self.first_token_ms - self.inference_start_ms
 
     @property
+    def prompt_eval_ms(self) -> float:
+        return (
+            self.prompt_eval_total_ms
+            if self.prompt_eval_total_ms >= 0
+            else self.prompt_eval_end_ms - self.inference_start_ms
+        )
+
+    @property
+    def generation_ms(self) -> float:
+        """From the end of prefill to the last token."""
+        return (
+            self.generation_total_ms
+            if self.generation_total_ms >= 0
+            else self.inference_end_ms - self.prompt_eval_end_ms
+        )
+
+    @property
+    def decode_ms(self) -> float:
+        """From the first token to the last: the decode steps."""
+        return self.decode_total_ms if self.decode_total_ms >= 0 else self.inference_end_ms - self.first_token_ms
+
+    @property
     def prefill_tokens_per_s(self) -> float:
-        dt = self.prompt_eval_end_ms - self.inference_start_ms
+        dt = self.prompt_eval_ms
         return self.prompt_tokens / dt * 1e3 if dt > 0 else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        # the first token comes out of prefill; the rest are decode steps
-        dt = self.inference_end_ms - self.first_token_ms
-        return (self.generated_tokens - 1) / dt * 1e3 if dt > 0 and self.generated_tokens > 1 else 0.0
+        # each window's first token comes out of its prefill; the rest are decode steps
+        dt, steps = self.decode_ms, self.generated_tokens - self.windows
+        return steps / dt * 1e3 if dt > 0 and steps > 0 else 0.0
 
     @property
     def real_time_factor(self) -> float:
@@ -86,15 +115,15 @@ class Stats:
         lines = [
             f"Prompt tokens: {self.prompt_tokens}  Generated tokens: {self.generated_tokens}",
             f"Model load time: {(self.model_load_end_ms - self.model_load_start_ms) / 1e3:.3f} s",
-            f"Prompt evaluation: {(self.prompt_eval_end_ms - self.inference_start_ms) / 1e3:.3f} s "
-            f"({self.prefill_tokens_per_s:.1f} tokens/s)",
-            f"Generated {self.generated_tokens} tokens: {(self.inference_end_ms - self.prompt_eval_end_ms) / 1e3:.3f} s "
+            f"Prompt evaluation: {self.prompt_eval_ms / 1e3:.3f} s ({self.prefill_tokens_per_s:.1f} tokens/s)",
+            f"Generated {self.generated_tokens} tokens: {self.generation_ms / 1e3:.3f} s "
             f"({self.decode_tokens_per_s:.1f} tokens/s)",
             f"Time to first generated token: {self.ttft_ms / 1e3:.3f} s",
             f"Sampling time over {self.generated_tokens} tokens: {self.aggregate_sampling_time_ms / 1e3:.3f} s",
         ]
         if self.audio_seconds:
-            lines.append(f"Audio: {self.audio_seconds:.2f} s, real-time factor {self.real_time_factor:.3f}")
+            windows = f" in {self.windows} prompt windows" if self.windows > 1 else ""
+            lines.append(f"Audio: {self.audio_seconds:.2f} s{windows}, real-time factor {self.real_time_factor:.3f}")
         if self.gpu_peak_usage_mb >= 0:
             lines.append(
                 f"GPU memory: peak {self.gpu_peak_usage_mb:.1f} MiB, total {self.gpu_total_bytes / 2**20:.0f} MiB, "

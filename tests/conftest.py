@@ -66,7 +66,17 @@ def tiny_checkpoint() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
-    return export_cached(tiny_checkpoint, tmp_path_factory.mktemp("bundles") / "tiny")
+    """The tiny model with a small capacity (1 min of audio, a 1024-token context), so tests that run to the end
+    of the context stay quick; `default_tiny_bundle` has the export's defaults."""
+    return export_cached(
+        tiny_checkpoint, tmp_path_factory.mktemp("bundles") / "tiny", max_audio_chunks=2, max_seq_len=1024
+    )
+
+
+@pytest.fixture(scope="session")
+def default_tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny model exported with the defaults (as `python -m runner export` and the e2e job build it)."""
+    return export_cached(tiny_checkpoint, tmp_path_factory.mktemp("bundles") / "tiny-default")
 
 
 def save_hf_checkpoint(dest: Path, hf_config: dict, seed: int = 0) -> Path:

@@ -28,6 +28,18 @@ SIGNATURE = "sv=2025&sig=SeCrEtSiGnAtUrE"
 # ---- fake bundles and zips -----------------------------------------------------------------------------------------
 
 
+# The model fields every manifest has (runner/manifest_fields.py), at tiny sizes.
+FAKE_MODEL = {
+    "config": {"text": {"vocab_size": 64, "dim": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
+               "audio": {"dim": 8, "n_layers": 1}},
+    "max_seq_len": 64,
+    "max_audio_chunks": 1,
+    "tokens_per_chunk": 375,
+    "tokenizer": "tekken.json",
+    "special_tokens": {"bos": 1, "eos": 2},
+}  # fmt: skip
+
+
 def write_fake_bundle(bundle_dir: Path, *, seed: int = 0) -> Manifest:
     """A bundle that passes verify_bundle: one small `.so` and weights file per method, tekken.json, model.pte."""
     bundle_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +59,7 @@ def write_fake_bundle(bundle_dir: Path, *, seed: int = 0) -> Manifest:
         device="cpu",
         gpu_arch=None,
         dtype="float32",
-        model={"preset": "fake"},
+        model={"preset": "fake", **FAKE_MODEL},
         methods=methods,
         files=file_entries(bundle_dir, names),
     )

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from runner.app.bench.args import add_arguments as add_bench  # the flags only, no torch
 from runner.app.options import Environment, add_runtime_flags, runtime_options
+from runner.app.stream import add_arguments as add_stream  # the flags only, no torch
+from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for  # numpy, no torch
 from runner.errors import RunnerError
 
 log = logging.getLogger("runner")
@@ -49,8 +51,25 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--max-seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
-    p.add_argument("--max-audio-chunks", type=int, default=2, help="longest audio, in 30 s chunks")
+    p.add_argument(
+        "--quant",
+        choices=["none", "int4"],
+        default="none",
+        help="int4: the decoder's linear layers weight-only int4 (groups of 128, a scale and an offset each)",
+    )
+    p.add_argument(
+        "--max-audio-chunks",
+        type=int,
+        default=DEFAULT_AUDIO_CHUNKS,
+        help="audio one prompt takes, in 30 s chunks (60: 30 minutes); longer audio is transcribed in windows",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="KV cache length (prompt + generated tokens); default: the audio's 375 positions per chunk, a prompt "
+        f"and ~4 answer tokens a second ({context_for(DEFAULT_AUDIO_CHUNKS)} for {DEFAULT_AUDIO_CHUNKS} chunks)",
+    )
     p.add_argument(
         "--out", type=Path, default=None, help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>)"
     )
@@ -59,6 +78,13 @@ def add_export(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="compile cache (default ~/.cache/voxtral-runner or $VOXTRAL_RUNNER_CACHE)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=None,
+        help="voxtral-realtime: concurrent streams one batched step takes (their state is allocated at load; "
+        "default 64 on cuda, 8 on cpu)",
     )
     p.add_argument("--no-check", action="store_true", help="skip the exported-vs-eager self-check")
     p.add_argument(
@@ -94,7 +120,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         cache_dir=cache_dir,
     )  # fmt: skip
     name, model, source, tekken, export = start.name, start.model, start.source, start.tokenizer, start.export
-    out = args.out or Path("artifacts") / f"{start.bundle_prefix}{name}-{device}-{dtype}"
+    quant = "" if args.quant == "none" else f"-{args.quant}"
+    out = args.out or Path("artifacts") / f"{start.bundle_prefix}{name}-{device}-{dtype}{quant}"
     opts = ExportOptions(
         device=device,
         dtype=dtype,
@@ -105,6 +132,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         check=not args.no_check,
         pdl=env.pdl and not args.no_pdl,
         force=args.force,
+        quant=args.quant,
+        max_streams=args.max_streams,
     )
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.
@@ -161,7 +190,13 @@ def add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--language", default=None, help="transcription language, e.g. en")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (temperature > 0)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most, per audio file")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate at most, per prompt window (default: 128, or 4 a second of its audio if more, "
+        "so a long transcript is not cut short)",
+    )
     p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
@@ -257,6 +292,8 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     console.print(
         f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s per encoder call ({per_chunk})"
     )
+    console.print(capacity_line(m), highlight=False)
+    console.print(quant_line(m.get("quant")), highlight=False)
     console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
     methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
     for name, spec in manifest.methods.items():
@@ -274,6 +311,32 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     console.print(files)
 
 
+def quant_line(quant: dict | None) -> str:
+    """The manifest's `quant` record (runner/export/quant.py) in one line; bundles from before it: none."""
+    if not quant:
+        return "weights: unquantised (the bundle's dtype)"
+    return (
+        f"weights: {quant['scheme']} weight-only, groups of {quant['group_size']}, "
+        f"{'symmetric' if quant['symmetric'] else 'asymmetric (scale + offset)'} in {quant['scale_dtype']}, "
+        f"{quant['n_linear']} linear layers ({', '.join(quant['modules'])}); the rest unquantised"
+    )
+
+
+def capacity_line(model: dict) -> str:
+    """How long audio one prompt takes and what happens beyond it (bundles from before `capacity`: worked out)."""
+    chunks, per_chunk = model.get("max_audio_chunks", 1), model.get("tokens_per_chunk") or 0
+    cap = model.get("capacity") or {"audio_seconds": chunks * 30, "audio_positions": chunks * per_chunk}
+    minutes, seconds = divmod(cap["audio_seconds"], 60)
+    length = " ".join(([f"{minutes} min"] if minutes else []) + ([f"{seconds} s"] if seconds or not minutes else []))
+    detail = [f"{cap['audio_positions']} decoder positions"] if per_chunk else []
+    detail += [f"{cap['answer_positions']} left for the answer"] if "answer_positions" in cap else []
+    chat = "; a --prompt takes at most that" if model.get("family", "voxtral") == "voxtral" else ""
+    return (
+        f"capacity: {length} of audio in one prompt{' (' + ', '.join(detail) + ')' if detail else ''}; "
+        f"longer audio is transcribed in windows{chat}"
+    )
+
+
 def _regenerate(bundle: Path) -> int:
     from rich.console import Console
 
@@ -281,7 +344,9 @@ def _regenerate(bundle: Path) -> int:
 
     console = Console(stderr=True)
     written = regenerate(bundle, progress=lambda what, phase: console.print(f"  {what:24s} {phase}"))
-    console.print(f"{bundle}: " + (f"{len(written)} weight files drawn again" if written else "every weight file is there"))
+    console.print(
+        f"{bundle}: " + (f"{len(written)} weight files drawn again" if written else "every weight file is there")
+    )
     print(bundle)
     return 0
 
@@ -352,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect": (add_inspect, cmd_inspect, "show a bundle's manifest"),
         "bench": (add_bench, _verb("runner.app.bench.verb"), "time a bundle beside the eager model"),
         "fetch": (add_fetch, _verb("runner.app.fetch"), "download a bundle artifact from a GitHub Actions run"),
+        "stream": (add_stream, _verb("runner.app.stream"), "transcribe audio as it arrives (voxtral-realtime bundles)"),
     }
     for name, (add, fn, help_) in verbs.items():
         sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt, parents=[common])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -18,16 +19,17 @@ import stat
 import sys
 import time
 import zipfile
+import zlib
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
 import requests
 
-from runner.app.github import DEFAULT_API_URL, GitHub, RetryPolicy, quiet_urllib3
-from runner.bundle import MANIFEST_NAME, verify_bundle
+from runner.app.github import DEFAULT_API_URL, GitHub, RetryPolicy, check_token, quiet_urllib3, redact
+from runner.bundle import MANIFEST_NAME, MAX_MANIFEST_BYTES, bundle_digest, read_manifest, verify_bundle
 from runner.errors import BundleError, FetchError
-from runner.publish import PublishError, make_stage, publish
+from runner.publish import PROVENANCE_NAME, PublishError, absolute_destination, make_stage, publish
 
 MAX_RUNS_SCANNED = 30  # --latest looks at this many successful runs, newest first, before giving up
 MAX_ARCHIVE_BYTES = 64 << 30  # the bf16 3B bundle is ~10 GB; anything far past that is not ours
@@ -39,14 +41,30 @@ _REPO_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
 # ---- choosing the artifact ---------------------------------------------------------------------------------------
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def _created(a: dict) -> datetime:
-    return datetime.fromisoformat(str(a.get("created_at", "1970-01-01T00:00:00Z")).replace("Z", "+00:00"))
+    """When an artifact was made; an unparseable or missing date sorts as the oldest."""
+    try:
+        when = datetime.fromisoformat(str(a.get("created_at")).replace("Z", "+00:00"))
+    except ValueError:
+        return _EPOCH
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
+def _id(d: dict) -> int | None:
+    """A run's or an artifact's id: a whole number > 0 (GitHub's are), else None."""
+    v = d.get("id")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def _pick(artifacts: list[dict], name: str) -> tuple[dict | None, list[dict]]:
     """The newest non-expired artifact called `name`, and the expired ones of that name (for the message)."""
     named = [a for a in artifacts if a.get("name") == name]
     live = [a for a in named if not a.get("expired")]
+    if live and any(_id(a) is None for a in live):
+        raise FetchError(f"artifact {name}: GitHub's answer gives it no usable id ({live[0].get('id')!r})")
     return (max(live, key=_created) if live else None), [a for a in named if a.get("expired")]
 
 
@@ -87,8 +105,10 @@ def find_latest(
         # a run whose origin is unknown (no head repository) counts as foreign, as a fork's does
         if not allow_forks and (not isinstance(head, str) or head.lower() != repo.lower()):
             continue
+        if _id(run) is None:  # a run GitHub gives no id cannot be asked for its artifacts
+            continue
         scanned += 1
-        artifact, _ = _pick(_run_artifacts(gh, repo, int(run["id"])), name)
+        artifact, _ = _pick(_run_artifacts(gh, repo, _id(run)), name)
         if artifact:
             return run, artifact
         if scanned >= MAX_RUNS_SCANNED:
@@ -118,7 +138,7 @@ def download_zip(
     """Stream the artifact's zip to `out`; returns its sha256 hex."""
     what = f"artifact {artifact['name']} ({artifact['id']})"
     resp = gh.download(f"/repos/{repo}/actions/artifacts/{artifact['id']}/zip", what)
-    total = int(resp.headers.get("content-length") or artifact.get("size_in_bytes") or 0) or None
+    total = _count(resp.headers.get("content-length")) or _count(artifact.get("size_in_bytes")) or None
     if total and total > max_bytes:
         raise FetchError(f"{what}: {total} bytes is over the {max_bytes}-byte cap")
     h = hashlib.sha256()
@@ -139,9 +159,20 @@ def download_zip(
                 raise FetchError(f"{what}: download interrupted ({type(e).__name__}); try again") from None
     except OSError as e:  # disk full, file size limit: the caller removes the partial file
         raise FetchError(f"{what}: cannot write the download in {out.parent.parent} ({e.strerror or e})") from None
-    if total and resp.headers.get("content-length") and done != total:
+    if total and _count(resp.headers.get("content-length")) and done != total:
         raise FetchError(f"{what}: download ended early ({done} of {total} bytes); try again")
     return h.hexdigest()
+
+
+def _count(v) -> int | None:
+    """A byte count from a header or an answer: a whole number >= 0, else None (unknown)."""
+    if isinstance(v, bool):
+        return None
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
 
 
 def check_digest(artifact: dict, sha256: str) -> None:
@@ -175,11 +206,15 @@ def _unsafe(info: zipfile.ZipInfo) -> str | None:
     return None
 
 
-def extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES) -> None:
-    """Extract into the (new, empty) `dest`, refusing anything that could write outside it."""
+def extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES, bundle: bool = False) -> None:
+    """Extract into the (new, empty) `dest`, refusing anything that could write outside it. Every member is
+    bounded by the size the zip declares for it (zipfile stops there) and all of them by `max_bytes`. With `bundle`,
+    the manifest is extracted first and bounds the rest: every other member must be a file it lists, of the size
+    it gives, so a small zip that inflates far past what its manifest says it holds is refused before any of it is
+    written. Raises FetchError, or BundleError for a bundle whose manifest is missing or malformed."""
     try:
         zf = zipfile.ZipFile(archive)
-    except zipfile.BadZipFile:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
         raise FetchError(f"{archive.name}: not a zip archive") from None
     with zf:
         infos = zf.infolist()
@@ -197,22 +232,64 @@ def extract_zip(archive: Path, dest: Path, *, max_bytes: int = MAX_ARCHIVE_BYTES
         declared = sum(i.file_size for i in infos)
         if declared > max_bytes:
             raise FetchError(f"unsafe archive: {declared} bytes uncompressed is over the {max_bytes}-byte cap")
-        written = 0
+        first = []
+        if bundle:
+            first = [i for i in infos if i.filename == MANIFEST_NAME]
+            _bundle_sizes(zf, infos, first, dest, max_bytes)
+        _check_space(dest, declared - sum(i.file_size for i in first))
         for info in infos:
-            target = dest.joinpath(*PurePosixPath(info.filename).parts)
-            try:
-                if info.is_dir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(info) as src, open(target, "xb") as out:
-                    while block := src.read(CHUNK):
-                        written += len(block)
-                        if written > max_bytes:
-                            raise FetchError(f"unsafe archive: more than {max_bytes} bytes once extracted")
-                        out.write(block)
-            except (zipfile.BadZipFile, OSError, EOFError) as e:
-                raise FetchError(f"archive member {info.filename!r}: {type(e).__name__}: {e}") from None
+            if info not in first:
+                _extract_member(zf, info, dest)
+
+
+def _bundle_sizes(zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], manifest: list, dest: Path, cap: int) -> None:
+    """Extract the manifest (`manifest`: its member) and check every other member against it."""
+    if not manifest:
+        raise BundleError(f"{dest / MANIFEST_NAME}: missing (is the artifact a bundle?)")
+    if manifest[0].file_size > MAX_MANIFEST_BYTES:
+        raise FetchError(f"unsafe archive: {MANIFEST_NAME} is {manifest[0].file_size} bytes (cap {MAX_MANIFEST_BYTES})")
+    _extract_member(zf, manifest[0], dest)
+    sizes = {rel: e.size for rel, e in read_manifest(dest).files.items()}
+    if sum(sizes.values()) > cap:
+        raise FetchError(f"unsafe archive: {MANIFEST_NAME} lists {sum(sizes.values())} bytes, over the {cap}-byte cap")
+    for info in infos:
+        if info.is_dir() or info is manifest[0]:
+            continue
+        if info.filename not in sizes:
+            raise FetchError(
+                f"unsafe archive: member {info.filename!r} is not a file {MANIFEST_NAME} lists "
+                "(a bundle artifact holds the manifest and its files)"
+            )
+        if info.file_size != sizes[info.filename]:
+            raise FetchError(
+                f"unsafe archive: member {info.filename!r} holds {info.file_size} bytes, "
+                f"{MANIFEST_NAME} says {sizes[info.filename]}"
+            )
+
+
+def _check_space(dest: Path, need: int) -> None:
+    """Refuse before writing what the disk cannot hold (a 10 GB bundle must not fill it, then fail)."""
+    try:
+        free = shutil.disk_usage(dest).free
+    except OSError:
+        return
+    if need > free:
+        raise FetchError(f"{dest.parent}: the archive needs {need} bytes once extracted, {free} are free")
+
+
+def _extract_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path) -> None:
+    target = dest.joinpath(*PurePosixPath(info.filename).parts)
+    try:
+        if info.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zf.open(info) as src, open(target, "xb") as out:
+            while block := src.read(CHUNK):  # zipfile stops at the declared size (a CRC error past it)
+                out.write(block)
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error, NotImplementedError, RuntimeError, ValueError) as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # an unknown compression, bad deflate data
+        raise FetchError(f"archive member {info.filename!r}: {why}") from None
 
 
 # ---- the whole verb ----------------------------------------------------------------------------------------------
@@ -265,9 +342,12 @@ def fetch_artifact(
         raise FetchError(
             "no GitHub token: set GITHUB_TOKEN or GH_TOKEN (artifact downloads need one, even from public repos)"
         )
-    if any(c.isspace() for c in token):
-        raise FetchError("the GitHub token contains whitespace; check GITHUB_TOKEN / GH_TOKEN")
-    dest = Path(dest)
+    check_token(token)
+    given = Path(dest)
+    try:
+        dest = absolute_destination(given)
+    except PublishError as e:
+        raise FetchError(str(e)) from None
     _prepare_dest(dest, force)
 
     gh = GitHub(api_url or DEFAULT_API_URL, token, session=session, retry=retry, sleep=sleep, clock=clock)
@@ -289,14 +369,19 @@ def fetch_artifact(
         check_digest(artifact, digest)
         staged = work / "bundle"
         staged.mkdir()
-        extract_zip(archive, staged, max_bytes=max_bytes)
-        archive.unlink()
-        if bundle:
-            try:
-                manifest = verify_bundle(staged)
-            except BundleError as e:
-                shown = str(e).replace(str(staged), str(dest))
-                raise FetchError(f"artifact {name} of run {run.get('id')} is not a valid bundle: {shown}") from None
+        try:
+            extract_zip(archive, staged, max_bytes=max_bytes, bundle=bundle)
+            archive.unlink()
+            # one mode for every file, as export writes them; before verifying: chmod changes the ctime that the
+            # digest cache's key holds, and the first run would hash everything again
+            for p in (staged, *staged.rglob("*")):
+                p.chmod(0o755 if p.is_dir() else 0o644)
+            manifest = verify_bundle(staged) if bundle else None
+        except BundleError as e:
+            shown = str(e).replace(str(staged), str(given))
+            raise FetchError(f"artifact {name} of run {run.get('id')} is not a valid bundle: {shown}") from None
+        if manifest is not None:
+            write_provenance(staged, gh.api_url, repo, run, artifact, digest)
             what = f"{len(manifest.files)} files verified against {MANIFEST_NAME}"
         else:
             what = f"{sum(1 for p in staged.rglob('*') if p.is_file())} files"
@@ -308,10 +393,34 @@ def fetch_artifact(
             raise FetchError(str(e)) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log(f"{dest}: {what} (sha256 {digest[:12]} zip)")
+    log(f"{given}: {what} (sha256 {digest[:12]} zip)")
     if kept is not None:
-        log(f"note: files that were in {dest} beside the old bundle are kept in {kept}")
-    return dest
+        log(f"note: files that were in {given} beside the old bundle are kept in {kept}")
+    return given
+
+
+def write_provenance(staged: Path, api_url: str, repo: str, run: dict, artifact: dict, zip_sha256: str) -> None:
+    """Where the bundle came from, beside it (PROVENANCE_NAME): the run, the artifact and the digests fetch
+    verified. `bundle_digest` (model.pte's sha256) is what `bench` records of a bundle, so a result traces back
+    to the CI artifact; `zip_sha256` is the artifact digest GitHub shows. The manifest's digests prove the files
+    are the ones it names (integrity); this record says which CI run made them (origin, as far as the token's
+    view of GitHub can tell: docs/ci.md)."""
+
+    def plain(v):  # what GitHub answered, kept only where it is a plain value
+        return v if isinstance(v, (str, int)) and not isinstance(v, bool) else None
+
+    record = {
+        "repository": repo,
+        "api_url": redact(api_url),
+        "run": {k: plain(run.get(k)) for k in ("id", "html_url", "head_sha", "head_branch", "event", "path")},
+        "artifact": {k: plain(artifact.get(k)) for k in ("id", "name", "size_in_bytes", "created_at", "digest")},
+        "zip_sha256": zip_sha256,
+        "bundle_digest": bundle_digest(staged / MANIFEST_NAME),
+        "fetched_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    path = staged / PROVENANCE_NAME
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.chmod(0o644)
 
 
 def main(args: argparse.Namespace) -> int:

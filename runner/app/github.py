@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ MAX_REDIRECTS = 5
 TIMEOUT = (15, 120)  # (connect, read) seconds
 _LOOPBACK = {"localhost", "127.0.0.1", "::1"}
 PER_PAGE = 100
+_MAX_EPOCH = 253402300800  # 10000-01-01: datetime's end
+MAX_PAGES = 100  # a list endpoint's `next` links are followed this far (a looping or endless list must end)
 
 
 @dataclass(frozen=True)
@@ -37,21 +40,29 @@ class RetryPolicy:
 
 def redact(url: str) -> str:
     """scheme://host/path: what may be shown of a URL whose query string is a credential."""
-    p = urlsplit(url)
-    host = p.hostname or ""
-    if p.port:
-        host = f"{host}:{p.port}"
+    try:
+        p = urlsplit(url)
+        host = p.hostname or ""
+        if p.port:
+            host = f"{host}:{p.port}"
+    except ValueError:  # a bad port or bracket: show nothing of it
+        return "(an unparseable URL)"
     return f"{p.scheme}://{host}{p.path}"
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
-    p = urlsplit(url)
-    return p.scheme, (p.hostname or "").lower(), p.port
+    try:
+        p = urlsplit(url)
+        return p.scheme, (p.hostname or "").lower(), p.port
+    except ValueError:
+        return "", "", None  # matches no origin: never followed
 
 
 def _check_transport(url: str, what: str) -> None:
     # A token or a signed URL over plain http is readable by anyone on the path; loopback is for tests.
     scheme, host, _ = _origin(url)
+    if not scheme:
+        raise FetchError(f"{what} {redact(url)} is not a usable URL")
     if scheme == "https" or (scheme == "http" and host in _LOOPBACK):
         return
     raise FetchError(f"{what} {redact(url)} is not https; refusing to send credentials over it")
@@ -93,10 +104,20 @@ def _when(epoch: float) -> str:
 
 def _message(resp: requests.Response) -> str:
     try:
-        msg = resp.json().get("message", "")
-    except ValueError:
-        msg = ""
+        body = resp.json()
+    except (ValueError, RecursionError):
+        body = None
+    msg = body.get("message", "") if isinstance(body, dict) else ""
     return " ".join(str(msg).split())[:200]
+
+
+def check_token(token: str) -> None:
+    """A token is printable ASCII: anything else cannot go in a header (requests raised UnicodeEncodeError)."""
+    if any(c.isspace() for c in token):
+        raise FetchError("the GitHub token contains whitespace; check GITHUB_TOKEN / GH_TOKEN")
+    if not (token.isascii() and token.isprintable()):
+        raise FetchError("the GitHub token contains characters no token has (non-ASCII or control characters); "
+                         "check GITHUB_TOKEN / GH_TOKEN")  # fmt: skip
 
 
 class GitHub:
@@ -114,6 +135,7 @@ class GitHub:
     ) -> None:
         self.api_url = api_url.rstrip("/")
         _check_transport(self.api_url, "API URL")
+        check_token(token)
         self._token = token
         self._session = session or requests.Session()
         self._retry = retry
@@ -138,9 +160,11 @@ class GitHub:
             if "retry-after" in h:
                 return _seconds(h["retry-after"]), "GitHub API rate limit (retry-after)"
             if h.get("x-ratelimit-remaining") == "0" and "x-ratelimit-reset" in h:
-                reset = _seconds(h["x-ratelimit-reset"])
-                why = f"GitHub API rate limit exhausted; it resets at {_when(reset)}"
-                return max(0.0, reset - self._clock()) + 1, why
+                now = self._clock()
+                reset = _seconds(h["x-ratelimit-reset"], default=math.nan)
+                if not 0 <= reset < _MAX_EPOCH:  # NaN, negative, past year 9999: a wait we cannot know
+                    return 60.0, "GitHub API rate limit exhausted (no usable reset time)"
+                return max(0.0, reset - now) + 1, f"GitHub API rate limit exhausted; it resets at {_when(reset)}"
             return 60.0, "GitHub secondary rate limit"
         if resp.status_code in (500, 502, 503, 504):
             if "retry-after" in h:
@@ -191,7 +215,10 @@ class GitHub:
             resp.close()
             if not location or hops >= MAX_REDIRECTS:
                 raise FetchError(f"{what}: bad redirect from {redact(resp.url)}")
-            location = urljoin(resp.url, location)
+            try:
+                location = urljoin(resp.url, location)
+            except ValueError:  # an unparseable Location
+                raise FetchError(f"{what}: bad redirect from {redact(resp.url)}") from None
             _check_transport(location, f"{what}: storage URL")
             hops += 1
             with quiet_urllib3():
@@ -204,7 +231,7 @@ class GitHub:
                         allow_redirects=False,
                         timeout=TIMEOUT,
                     )
-                except requests.RequestException as e:
+                except (requests.RequestException, ValueError) as e:  # ValueError: a URL requests cannot encode
                     raise FetchError(f"{what}: cannot download from {redact(location)} ({type(e).__name__})") from None
         if resp.status_code in (401, 403) and hops:
             resp.close()
@@ -218,24 +245,45 @@ class GitHub:
     def get_json(self, path: str, what: str, *, params: dict[str, Any] | None = None) -> dict[str, Any]:
         resp = self.request(f"{self.api_url}{path}", what, params=params)
         _raise_for_status(resp, what)
-        return resp.json()
+        return _object(resp, what)
 
     def paginate(self, path: str, key: str, what: str, *, params: dict[str, Any] | None = None) -> Iterator[dict]:
-        """Items of a list endpoint, following `Link: <...>; rel="next"` (which already carries the query)."""
+        """Items of a list endpoint, following `Link: <...>; rel="next"` (which already carries the query), at most
+        MAX_PAGES pages and never one twice."""
         url: str | None = f"{self.api_url}{path}"
         params = {"per_page": PER_PAGE, **(params or {})}
+        seen: set[str] = set()
         while url:
+            if url in seen or len(seen) >= MAX_PAGES:
+                raise FetchError(f"{what}: GitHub's list did not end after {len(seen)} pages; giving up")
+            seen.add(url)
             resp = self.request(url, what, params=params)
             _raise_for_status(resp, what)
-            yield from resp.json().get(key, [])
+            items = _object(resp, what).get(key, [])
+            if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+                raise FetchError(f"{what}: unexpected answer from GitHub ({key} is not a list of objects)")
+            yield from items
             url, params = resp.links.get("next", {}).get("url"), None
 
 
-def _seconds(value: str) -> float:
+def _object(resp: requests.Response, what: str) -> dict[str, Any]:
+    """The JSON object an API answer must be; anything else is one line, not a traceback further on."""
     try:
-        return float(value)
-    except ValueError:
-        return 60.0
+        body = resp.json()
+    except (ValueError, RecursionError):  # HTML from a proxy, a cut-off body, nesting past the limit
+        raise FetchError(f"{what}: GitHub's answer is not JSON (HTTP {resp.status_code}); try again") from None
+    if not isinstance(body, dict):
+        raise FetchError(f"{what}: unexpected answer from GitHub (a JSON {type(body).__name__}, not an object)")
+    return body
+
+
+def _seconds(value: str, default: float = 60.0) -> float:
+    """A header's seconds: a finite number >= 0, else `default` (NaN, a negative or an HTTP-date wait 60 s)."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return default
+    return x if math.isfinite(x) and x >= 0 else default
 
 
 def _raise_for_status(resp: requests.Response, what: str) -> None:

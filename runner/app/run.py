@@ -134,6 +134,8 @@ def _reference_cell(rep: ReferenceReport, opts: GenerationOptions) -> str:
 
 def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
     family = family_for(program.bundle_dir, program.manifest.model)
+    if getattr(family, "stream_only", False):  # its methods are streaming steps (runner/families/voxtral_realtime)
+        raise RunnerError(f"{program.bundle_dir}: a streaming bundle; use `python -m runner stream`")
     tok = family.tokenizer
     engine = ProgramEngine(program, args.runtime, cross_attention=family.cross_attention)
     runner = MultimodalRunner(engine, tok, family.audio_id)
@@ -173,10 +175,11 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
                 windows = family.prompts(path, args.prompt, args.language, engine.max_audio_chunks)
                 result = runner.generate_windows(windows, opts, on_text=stream, stats=stats)
             except (AudioError, GenerationError, TokenizerError) as e:  # this file's fault: its record, then the next
-                failures.append(str(e))
-                summary.rows.append(FileRow(Path(path).name, f"**error**: {_md(str(e))[:120]}"))
+                msg = str(e) if str(path) in str(e) else f"{path}: {e}"  # the line names the file at fault
+                failures.append(msg)
+                summary.rows.append(FileRow(Path(path).name, f"**error**: {_md(msg)[:120]}"))
                 if args.json:
-                    sys.stdout.write(json.dumps({"audio": str(path), "error": str(e)}) + "\n")
+                    sys.stdout.write(json.dumps({"audio": str(path), "error": msg}) + "\n")
                     sys.stdout.flush()
                 continue
             text_out.write("\n")
@@ -194,7 +197,11 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
                 "tokens": result.tokens,
                 "stop_reason": result.stop_reason,
                 "stats": stats.to_dict(),
+                "windows": window_records(result),
             }
+            if len(result.parts) > 1 and not args.json:
+                for line in window_lines(result):
+                    print(line, file=sys.stderr)
             if reference is not None:
                 rep = compare_with_reference(reference, windows, result, opts, dtype)
                 record["reference"] = rep.to_dict()
@@ -250,13 +257,43 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats) -> int:
         raise
     finally:
         if args.env.step_summary:
-            with open(args.env.step_summary, "a") as f:
+            # backslashreplace: a file name that is not UTF-8 must not fail the summary of the others
+            with open(args.env.step_summary, "a", encoding="utf-8", errors="backslashreplace") as f:
                 f.write(summary.markdown(failures, stopped))
     if failures:
         for f in failures[:-1]:
             print(f"error: {f}", file=sys.stderr)
         raise RunnerError(failures[-1])
     return 0
+
+
+def window_records(result: GenerationResult) -> list[dict]:
+    """Each prompt window's own record: where it lies in the audio, its text, tokens, stop reason and stats.
+    Windows are consecutive, so each starts where the one before ends."""
+    out, start = [], 0.0
+    for part, tokens in zip(result.parts, result.window_tokens()):
+        end = start + part.stats.audio_seconds
+        out.append(
+            {
+                "start_s": round(start, 3),
+                "end_s": round(end, 3),
+                "text": part.text,
+                "tokens": tokens,
+                "stop_reason": part.stop_reason,
+                "stats": part.stats.to_dict(),
+            }
+        )
+        start = end
+    return out
+
+
+def window_lines(result: GenerationResult) -> list[str]:
+    return [
+        f"window {i + 1}/{len(result.parts)}: {w['start_s']:.1f}-{w['end_s']:.1f} s, {len(w['tokens'])} tokens "
+        f"({w['stop_reason']}), prompt {w['stats']['prompt_tokens']} tokens, "
+        f"{w['stats']['prefill_tokens_per_s']:.0f}/{w['stats']['decode_tokens_per_s']:.1f} tokens/s prefill/decode"
+        for i, w in enumerate(window_records(result))
+    ]
 
 
 def _summary_for(program: Program, args: argparse.Namespace, opts: GenerationOptions, golden_missing: bool):
@@ -270,7 +307,8 @@ def _summary_for(program: Program, args: argparse.Namespace, opts: GenerationOpt
     ]
     summary = E2ESummary(
         title=f"e2e: `{program.bundle_dir.name}` ({m.device}, {m.dtype}), {len(args.audio)} file(s)",
-        settings=f"{sampling}, at most {opts.max_new_tokens} new tokens; checked: {', '.join(checks) or 'nothing'}",
+        settings=f"{sampling}, at most {opts.max_new_tokens or 'the default number of'} new tokens; checked: "
+        f"{', '.join(checks) or 'nothing'}",
         files=len(args.audio),
     )
     if golden_missing:
@@ -296,13 +334,20 @@ def _read_golden(path: Path, program: Program) -> dict[str, list[int]] | None:
     """Golden tokens are per model (weights digest) and per device-dtype: another bundle's numerics may
     legitimately pick other tokens, so for those the eager reference is the check."""
     try:
-        data = json.loads(Path(path).read_text())
-        digest, by_kind = data["weights_digest"], data["tokens"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise RunnerError(f"{path}: not a golden-token file ({e})") from None
-    m = program.manifest
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
+        raise RunnerError(f"{path}: not a golden-token file ({' '.join(str(e).split())[:200]})") from None
+    shape = '{"weights_digest": "...", "tokens": {"DEVICE-DTYPE": {"FILE": [ids]}}}'
+    by_kind = data.get("tokens") if isinstance(data, dict) else None
+    if not (isinstance(by_kind, dict) and isinstance(data.get("weights_digest"), str)) or not all(
+        isinstance(files, dict)
+        and all(isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids) for ids in files.values())
+        for files in by_kind.values()
+    ):
+        raise RunnerError(f"{path}: not a golden-token file (expected {shape})")
+    digest, m = data["weights_digest"], program.manifest
     kind = f"{m.device}-{m.dtype}"
-    if digest != m.model["source"]["weights_digest"] or kind not in by_kind:
+    if digest != (m.model.get("source") or {}).get("weights_digest") or kind not in by_kind:
         print(
             f"note: {path} holds no golden tokens for this model on {kind}; checking against --reference only",
             file=sys.stderr,

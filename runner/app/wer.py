@@ -76,9 +76,9 @@ def corpus_wer(files: list[FileWER]) -> float:
 def read_references(path: Path) -> dict[str, str]:
     """A JSON object {audio file name: reference transcript} (fixtures/audio/transcripts.json)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RunnerError(f"{path}: not a transcript file ({e})") from None
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
+        raise RunnerError(f"{path}: not a transcript file ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise RunnerError(f"{path}: expected a JSON object of file name -> transcript")
     return data

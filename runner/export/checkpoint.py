@@ -1,8 +1,9 @@
-"""Where Voxtral's weights come from: an HF checkpoint directory, or a preset with random init.
+"""Where Voxtral's weights come from: a checkpoint directory, or a preset with random init.
 
-A checkpoint directory is what `VoxtralForConditionalGeneration.save_pretrained(DIR)` writes (config.json and
-`model.safetensors` or sharded `model-0000x-of-0000y.safetensors` + index) plus `tekken.json`. Only safetensors
-is read: no pickle, ever.
+A checkpoint directory holds `tekken.json` and either the HF files (config.json and `model.safetensors`, or
+sharded `model-0000x-of-0000y.safetensors` + index, in any layout `HF_LAYOUTS` names) or Mistral's own
+`params.json` + `consolidated.safetensors` (runner/export/mistral_format.py). When both are there, the HF files
+are read. Only safetensors is read: no pickle, ever.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runner.bundle import sha256_file
-from runner.errors import ExportError
+from runner.errors import ExportError, RunnerError
+from runner.export import mistral_format
+from runner.families.voxtral import AUDIO_TOKEN, Tekken
 from runner.fixtures import fixtures_dir
 from runner.models.state import load_state
 from runner.models.voxtral import Voxtral
@@ -28,13 +31,21 @@ FIXTURES = fixtures_dir()  # the checkout's fixtures/, or the installed copy
 TINY_CHECKPOINT = FIXTURES / "voxtral-tiny"  # config.json (tokenizer: fixtures/tekken.json); weights are seeded
 TINY_SEED = 0
 
-# transformers 5 may name keys as the in-memory model does; save_pretrained writes the 4.x layout we use.
-_KEY_PREFIXES = (
-    ("model.audio_tower.", "audio_tower."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("model.language_model.", "language_model.model."),
-    ("lm_head.", "language_model.lm_head."),
-)
+# The key layouts HF-format Voxtral checkpoints come in, as (prefix in the file, prefix in ours) pairs. Ours is
+# the published one (mistralai/Voxtral-Mini-3B-2507's model-*.safetensors), which save_pretrained writes in
+# transformers 4.5x and 5.25 too. Measured: 5.17's save_pretrained nests the text model once more; transformers
+# 5 names keys in memory as the third layout does. A checkpoint is read in whichever layout names most of the
+# keys the config asks for, so one stray key is reported as itself, not as a different layout.
+HF_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "published": (),
+    "transformers-5.17": (("language_model.model.model.", "language_model.model."),),
+    "transformers-in-memory": (
+        ("model.audio_tower.", "audio_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -52,39 +63,40 @@ class ModelSource:
         return d | ({"generator": self.generator} if self.generator else {})
 
 
-def _normalise_key(k: str) -> str:
-    for old, new in _KEY_PREFIXES:
-        if k.startswith(old):
-            return new + k[len(old) :]
-    return k
+def _rename(key: str, pairs: tuple[tuple[str, str], ...], backward: bool = False) -> str:
+    for file_prefix, ours in pairs:
+        old, new = (ours, file_prefix) if backward else (file_prefix, ours)
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key
 
 
-def _weight_files(ckpt: Path) -> list[Path]:
+def _hf_layout(keys, expected: set[str]) -> tuple[tuple[str, str], ...]:
+    """The layout under which most of the file's keys are ones the config asks for (ties: the published one)."""
+    return max(HF_LAYOUTS.values(), key=lambda pairs: len({_rename(k, pairs) for k in keys} & expected))
+
+
+def _hf_weight_files(ckpt: Path) -> list[Path]:
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
             raise ExportError(f"{index}: malformed index ({e})") from None
         return [ckpt / s for s in shards]
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
-        bins = sorted(p.name for p in ckpt.glob("*.bin"))
-        hint = f" (found {', '.join(bins)}: pickle checkpoints are not read; re-save with safetensors)" if bins else ""
-        raise ExportError(f"{ckpt}: no .safetensors weights{hint}")
-    return files
+    # Mistral's consolidated*.safetensors may sit beside the HF files (the hub repository has both)
+    consolidated = set(ckpt.glob(mistral_format.WEIGHTS_GLOB))
+    return sorted(p for p in ckpt.glob("*.safetensors") if p not in consolidated)
 
 
-def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Voxtral, ModelSource, Path]:
-    """Returns the eager model with the checkpoint's weights, its source record, and its tekken.json."""
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        raise ExportError(f"{ckpt}: checkpoint directory not found")
-    for need in ("config.json", "tekken.json"):
-        if not (ckpt / need).is_file():
-            raise ExportError(f"{ckpt}: missing {need}")
-    config = VoxtralConfig.from_hf_file(ckpt / "config.json")
-    files = _weight_files(ckpt)
+def _no_weights(ckpt: Path) -> ExportError:
+    bins = sorted(p.name for p in ckpt.glob("*.bin"))
+    hint = f" (found {', '.join(bins)}: pickle checkpoints are not read; re-save with safetensors)" if bins else ""
+    return ExportError(f"{ckpt}: no .safetensors weights{hint}")
+
+
+def _read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of the files, and a digest of the files (not of the tensors)."""
     state: dict[str, torch.Tensor] = {}
     digest = hashlib.sha256()
     for f in files:
@@ -94,13 +106,66 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
-                    state[_normalise_key(k)] = sf.get_tensor(k)
+                    state[k] = sf.get_tensor(k)
         except Exception as e:  # safetensors' own error types
             raise ExportError(f"{f}: cannot read safetensors ({e})") from None
+    return state, digest.hexdigest()
+
+
+def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str]:
+    model = Voxtral(VoxtralConfig.from_hf_file(ckpt / "config.json"))
+    state, digest = _read_weights(files)
+    pairs = _hf_layout(state, set(model.to_hf_layout(model.state_dict())))
+    renamed = {_rename(k, pairs): k for k in state}
+    if len(renamed) < len(state):
+        raise ExportError(f"{ckpt}: the weights name some tensors twice (mixed key layouts)")
+    load_state(
+        model,
+        {k: state[name] for k, name in renamed.items()},
+        source=str(ckpt),
+        spell=lambda k: renamed.get(k) or _rename(k, pairs, backward=True),
+    )
+    return model, digest
+
+
+def _load_mistral(ckpt: Path, files: list[Path], tekken: Path) -> tuple[Voxtral, str]:
+    params_file = ckpt / mistral_format.PARAMS
+    try:
+        params = json.loads(params_file.read_text())
+        audio_id = Tekken.from_file(tekken).special_id(AUDIO_TOKEN)
+        config = mistral_format.config_from_params(params, audio_id)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ExportError(f"{params_file}: cannot read ({e})") from None
+    except RunnerError as e:
+        raise ExportError(f"{ckpt}/{e}" if str(e).startswith(mistral_format.PARAMS) else str(e)) from None
     model = Voxtral(config)
-    load_state(model, state, source=str(ckpt))
-    source = ModelSource("checkpoint", ckpt.resolve().name, digest.hexdigest())
-    return model.to(dtype).eval(), source, ckpt / "tekken.json"
+    state, digest = _read_weights(files)
+    hf, names = mistral_format.to_hf_state(state, config)
+    load_state(model, hf, source=str(ckpt), spell=lambda k: names.get(k) or mistral_format.mistral_name(k))
+    return model, digest
+
+
+def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Voxtral, ModelSource, Path]:
+    """Returns the eager model with the checkpoint's weights, its source record, and its tekken.json."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise ExportError(f"{ckpt}: checkpoint directory not found")
+    tekken = ckpt / "tekken.json"
+    if not tekken.is_file():
+        raise ExportError(f"{ckpt}: missing tekken.json")
+    has_config, has_params = (ckpt / "config.json").is_file(), (ckpt / mistral_format.PARAMS).is_file()
+    hf_files = _hf_weight_files(ckpt) if has_config else []
+    mistral_files = sorted(ckpt.glob(mistral_format.WEIGHTS_GLOB)) if has_params else []
+    if hf_files:
+        model, digest = _load_hf(ckpt, hf_files)
+    elif mistral_files:
+        model, digest = _load_mistral(ckpt, mistral_files, tekken)
+    elif not has_config and not has_params:
+        raise ExportError(f"{ckpt}: missing config.json (or Mistral's {mistral_format.PARAMS})")
+    else:
+        raise _no_weights(ckpt)
+    source = ModelSource("checkpoint", ckpt.resolve().name, digest)
+    return model.to(dtype).eval(), source, tekken
 
 
 def random_model(

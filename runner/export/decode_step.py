@@ -4,7 +4,9 @@ The dynamic `text_decoder` serves prefill and decode alike, so its matmuls are t
 method is the same decoder (the same parameters: the runtime binds one copy of the weights and one KV cache to
 both methods) exported for exactly one token. On CUDA it runs the hand-written kernels of `kernels.py`: RMSNorm
 folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and one attention kernel per layer
-(RoPE, the cache write, attention over the valid positions only). On CPU it is the plain decoder at S = 1.
+(RoPE, the cache write, attention over the valid positions only). A linear layer quantised to int4
+(`QuantLinear`, `--quant int4`) runs the same epilogues through the int4 GEMVs of `kernels_int4.py`. On CPU it is
+the plain decoder at S = 1.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runner.models.voxtral import LanguageModel, rope_inv_freq
+from runner.models.quant_linear import QuantLinear
+from runner.models.voxtral import LanguageModel, RMSNorm, rope_inv_freq
 from runner.models.voxtral_config import TextConfig
 
 
@@ -23,7 +26,7 @@ class DecodeStep(nn.Module):
     def __init__(self, c: TextConfig, lm: LanguageModel, pdl: bool = False):
         """`pdl`: the kernels wait for the kernel before them (programmatic dependent launch; sm_90+)."""
         super().__init__()
-        from runner.export import kernels  # noqa: F401  (registers torch.ops.voxtral.*; needs Triton)
+        from runner.export import kernels, kernels_int4  # noqa: F401  (register torch.ops.voxtral.*; need Triton)
 
         self.c, self.pdl = c, pdl
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
@@ -40,10 +43,22 @@ class DecodeStep(nn.Module):
         for i, layer in enumerate(self.layers):
             attn, mlp, kv = layer.self_attn, layer.mlp, layer.self_attn.kv_cache
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = ops.rms_gemv(x, norm1.weight, attn.qkv_proj.weight, norm1.eps, False, False, pdl)
+            qkv = self._rms_gemv(x, norm1, attn.qkv_proj)
             # RoPE, this position's cache write and the attention in one kernel
             a = ops.decode_attention(qkv, cos, sin, kv.k_cache, kv.v_cache, cache_position, counters, i * slots, pdl)
-            x = ops.gemv_add(a, attn.o_proj.weight, x, pdl)
-            h = ops.rms_gemv(x, norm2.weight, mlp.gate_up_proj.weight, norm2.eps, True, False, pdl)
-            x = ops.gemv_add(h, mlp.down_proj.weight, x, pdl)
-        return ops.rms_gemv(x, self.norm.weight, self.lm_head.weight, self.norm.eps, False, True, pdl).view(1, -1)
+            x = self._gemv_add(a, attn.o_proj, x)
+            h = self._rms_gemv(x, norm2, mlp.gate_up_proj, glu=True)
+            x = self._gemv_add(h, mlp.down_proj, x)
+        return self._rms_gemv(x, self.norm, self.lm_head, out_f32=True).view(1, -1)
+
+    def _rms_gemv(self, x, norm: RMSNorm, lin: nn.Module, glu: bool = False, out_f32: bool = False) -> torch.Tensor:
+        ops, pdl = torch.ops.voxtral, self.pdl
+        if isinstance(lin, QuantLinear):
+            return ops.int4_rms_gemv(x, norm.weight, lin.qweight, lin.scales, lin.offsets, norm.eps, glu, out_f32, pdl)
+        return ops.rms_gemv(x, norm.weight, lin.weight, norm.eps, glu, out_f32, pdl)
+
+    def _gemv_add(self, x, lin: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+        ops, pdl = torch.ops.voxtral, self.pdl
+        if isinstance(lin, QuantLinear):
+            return ops.int4_gemv_add(x, lin.qweight, lin.scales, lin.offsets, residual, pdl)
+        return ops.gemv_add(x, lin.weight, residual, pdl)

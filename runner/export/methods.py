@@ -63,15 +63,12 @@ class MethodPlan:
         return torch.export.export(self.module, self.example, dynamic_shapes=self.dynamic_shapes, strict=False)
 
 
-def preprocessor_plan(n_mels: int, device: torch.device, max_chunks: int, check_inputs, ranged=True) -> MethodPlan:
-    """The log-mel preprocessor, waveform f32 [k * 480000] -> mel f32 [k, n_mels, 3000], k = 1..max_chunks.
-    `ranged`: the manifest gives the chunk dims as ranges even when max_chunks is 1 (as Voxtral bundles do);
-    otherwise one chunk is declared [480000] -> [1, n_mels, 3000]."""
+def preprocessor_plan(n_mels: int, device: torch.device, max_chunks: int, check_inputs) -> MethodPlan:
+    """The log-mel preprocessor, waveform f32 [k * 480000] -> mel f32 [k, n_mels, 3000], k = 1..max_chunks: one
+    log-mel over the whole waveform (one STFT, one global max), its frames cut into chunks. The manifest gives
+    the chunk dims as ranges even when max_chunks is 1."""
     module = LogMelSpectrogram(n_mels).to(device)
-    if ranged:
-        wave, mel = dim(N_SAMPLES, max_chunks * N_SAMPLES, N_SAMPLES), [dim(1, max_chunks), n_mels, N_FRAMES]
-    else:
-        wave, mel = N_SAMPLES, [1, n_mels, N_FRAMES]
+    wave, mel = dim(N_SAMPLES, max_chunks * N_SAMPLES, N_SAMPLES), [dim(1, max_chunks), n_mels, N_FRAMES]
     spec = method_spec("preprocessor", [("waveform", "float32", [wave])], [("mel", "float32", mel)])
     return MethodPlan(
         "preprocessor", module, (), None, spec, check_inputs, export=lambda: export_mel(module, max_chunks)
@@ -91,7 +88,7 @@ def export_mel(module: LogMelSpectrogram, max_chunks: int) -> torch.export.Expor
         return torch.export.export(module, (torch.zeros(N_SAMPLES, device=device),))
     chunks = torch.export.Dim("chunks", min=1, max=max_chunks)
     example = torch.zeros(2 * N_SAMPLES, device=device)
-    # stft's internal reshapes guard on "chunks != 1" (size-1 dims have special strides); size-oblivious
+    # The trace guards on "chunks != 1" (stft's reshapes; size-1 dims have special strides); size-oblivious
     # tracing takes the general branch instead, so the one program also serves a single chunk.
     # (ep.range_constraints then shows chunks >= 2, but the input's own range is N_SAMPLES * [1, max].)
     with fx_config.patch(backed_size_oblivious=True):

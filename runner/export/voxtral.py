@@ -10,11 +10,12 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK
+from runner.audio import CHUNK_LENGTH, MIN_ANSWER_ROOM, N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK, context_for
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
 from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
+from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import voxtral
 from runner.models.voxtral import Voxtral
@@ -26,6 +27,9 @@ SOURCE_FILES = (
     "export/voxtral.py",
     "export/decode_step.py",
     "export/kernels.py",
+    "export/kernels_int4.py",
+    "export/quant.py",
+    "models/quant_linear.py",
 )
 
 
@@ -71,7 +75,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
         ),
         MethodPlan(
             "text_decoder",
-            m.text_decoder,
+            model.prefiller(),  # a prompt into an empty cache: it attends to itself only (causal)
             (emb(3), torch.arange(3, device=dev)),
             ({1: seq}, {0: seq}),
             method_spec(
@@ -80,8 +84,9 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
                 [("logits", "float32", [1, c.text.vocab_size])],
                 state,
             ),
-            # prefill then one decode step: the second call only matches if the KV cache was mutated
-            [(emb(7), torch.arange(7, device=dev)), (emb(1), torch.tensor([7], device=dev))],
+            # against the decoder that attends to the cache; the step after it only matches if the cache was written
+            [(emb(7), torch.arange(7, device=dev))],
+            reference=m.text_decoder,
         ),
         MethodPlan(
             "text_decoder_step",
@@ -129,10 +134,11 @@ def export_voxtral(
     model: Voxtral, source: ModelSource, tekken_path: Path, out: Path, opts: ExportOptions, progress=None
 ) -> ExportReport:
     """Build the bundle into `out` (replaced atomically). `progress(method, phase)` is told what runs."""
-    if opts.max_audio_chunks * TOKENS_PER_CHUNK + 16 > opts.max_seq_len:
+    K, S = opts.max_audio_chunks, opts.max_seq_len
+    if K * TOKENS_PER_CHUNK + PROMPT_ROOM + MIN_ANSWER_ROOM > S:
         raise ExportError(
-            f"--max-seq-len {opts.max_seq_len} cannot hold {opts.max_audio_chunks} audio chunks "
-            f"({opts.max_audio_chunks * TOKENS_PER_CHUNK} tokens) plus a prompt"
+            f"--max-seq-len {S} cannot hold {K} audio chunks ({K * TOKENS_PER_CHUNK} positions), a prompt "
+            f"({PROMPT_ROOM}) and an answer ({MIN_ANSWER_ROOM} at least); for {K} chunks the default is {context_for(K)}"
         )
     tok = Tekken.from_file(tekken_path)
     special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
@@ -147,14 +153,25 @@ def export_voxtral(
 
     model, meta = prepare(model, source, opts, NAME)
     meta |= {
-        "max_audio_chunks": opts.max_audio_chunks,
+        "quant": apply_quant(model, NAME, opts.quant),  # before planning: every method sees the int4 layers
+        "max_audio_chunks": K,
         "tokens_per_chunk": TOKENS_PER_CHUNK,
+        "capacity": capacity(K, S),
         "tokenizer": "tekken.json",
         "special_tokens": special,
         "pdl": decode_kernels_wait(opts.device, opts.pdl),
     }
     plans = plan_methods(model, opts)
     return build_bundle(model, plans, source, tekken_path, meta, out, opts, progress, family_key(opts))
+
+
+def capacity(chunks: int, max_seq_len: int) -> dict:
+    """How much audio one prompt takes (the manifest's `capacity`): longer audio is transcribed in windows."""
+    return {
+        "audio_seconds": chunks * CHUNK_LENGTH,
+        "audio_positions": chunks * TOKENS_PER_CHUNK,
+        "answer_positions": max_seq_len - chunks * TOKENS_PER_CHUNK - PROMPT_ROOM,  # after the longest prompt
+    }
 
 
 def family_key(opts: ExportOptions) -> dict:

@@ -12,6 +12,8 @@ from typing import Protocol
 from runner.errors import BundleError
 from runner.families.voxtral import NAME as VOXTRAL
 from runner.families.voxtral import VoxtralFamily
+from runner.families.voxtral_realtime import NAME as VOXTRAL_REALTIME
+from runner.families.voxtral_realtime import RealtimeFamily
 from runner.families.whisper import NAME as WHISPER
 from runner.families.whisper import WhisperFamily
 from runner.runtime.detokenize import Tokenizer
@@ -28,7 +30,7 @@ class Family(Protocol):
     ) -> list[Prompt]: ...  # one or more prompt windows for one audio file
 
 
-FAMILIES: dict[str, type] = {VOXTRAL: VoxtralFamily, WHISPER: WhisperFamily}
+FAMILIES: dict[str, type] = {VOXTRAL: VoxtralFamily, WHISPER: WhisperFamily, VOXTRAL_REALTIME: RealtimeFamily}
 
 
 def family_for(bundle_dir: str | os.PathLike, model: dict) -> Family:

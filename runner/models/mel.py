@@ -1,9 +1,13 @@
 """The `preprocessor` method: waveform -> Whisper-style log-mel features, as an exportable nn.Module (exported
 with its chunk count dynamic by runner/export/methods.py).
 
-Matches transformers' WhisperFeatureExtractor (and ExecuTorch's WhisperAudioProcessor) per 30 s chunk:
-STFT (Hann 400, periodic; hop 160; center=True, reflect pad) -> power -> drop the last frame -> Slaney mel
-filters -> log10(clamp 1e-10) -> max(x, chunk max - 8) -> (x + 4) / 4.
+ONE log-mel over the whole waveform, then its frames cut into 30 s chunks, as transformers'
+`VoxtralProcessor._retrieve_input_features` (WhisperFeatureExtractor over the audio padded to a multiple of
+480000 samples), vLLM, ExecuTorch's `mel_spectrogram.py` and openai/whisper's `log_mel_spectrogram` compute it:
+STFT (Hann 400, periodic; hop 160; center=True, reflect pad at the waveform's two ends only) -> power -> drop the
+last frame -> Slaney mel filters -> log10(clamp 1e-10) -> max(x, global max - 8) -> (x + 4) / 4.
+Chunk by chunk would reflect-pad every chunk edge and floor each chunk at its own max: a quiet chunk next to a
+loud one differs by up to ~0.9.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runner.audio import HOP_LENGTH, N_FFT, N_FRAMES, N_MELS, N_SAMPLES, SAMPLE_RATE
+from runner.audio import HOP_LENGTH, N_FFT, N_FRAMES, N_MELS, SAMPLE_RATE
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
@@ -52,7 +56,8 @@ def mel_filters(n_mels: int, sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT)
 
 
 class LogMelSpectrogram(nn.Module):
-    """waveform [n_chunks * N_SAMPLES] float32 -> log-mel [n_chunks, n_mels, N_FRAMES] float32.
+    """waveform [n_chunks * N_SAMPLES] float32 -> log-mel [n_chunks, n_mels, N_FRAMES] float32: chunk i is
+    frames [i * N_FRAMES, (i + 1) * N_FRAMES) of the one spectrogram.
 
     Window and filters are persistent buffers, so they sit in the state dict with the model's other tensors
     (the exported program stores them as constants).
@@ -65,15 +70,15 @@ class LogMelSpectrogram(nn.Module):
         self.register_buffer("filters", torch.from_numpy(mel_filters(n_mels)))  # [n_mels, 201]
 
     def forward(self, waveform: torch.Tensor) -> torch.Tensor:
-        chunks = waveform.reshape(-1, N_SAMPLES)  # [c, 480000]; each 30 s chunk is its own spectrogram
         spec = torch.stft(
-            chunks, N_FFT, HOP_LENGTH, window=self.window, center=True, pad_mode="reflect", return_complex=True
-        )  # [c, 201, 3001] complex
+            waveform, N_FFT, HOP_LENGTH, window=self.window, center=True, pad_mode="reflect", return_complex=True
+        )  # [201, c * 3000 + 1] complex: reflect-padded at the two ends only
         # |z|^2 from the real view: Inductor handles real ops everywhere, complex abs() less so.
-        power = torch.view_as_real(spec[..., :N_FRAMES]).pow(2).sum(-1)  # [c, 201, 3000]; last frame dropped
-        # bmm, not matmul: matmul's decomposition branches on batch == 1, which would pin the chunk count.
-        mel = torch.bmm(self.filters.expand(power.shape[0], -1, -1), power)  # [c, n_mels, 3000]
+        power = torch.view_as_real(spec[:, :-1]).pow(2).sum(-1)  # [201, c * 3000]; the last frame dropped
+        chunks = power.reshape(power.shape[0], -1, N_FRAMES).transpose(0, 1)  # [c, 201, 3000], a view
+        # bmm, not matmul: matmul's decomposition branches on batch == 1, which would pin the chunk count. Cutting
+        # the chunks here (not .contiguous() on the output) also avoids a guard: a [1, ...] transpose is contiguous.
+        mel = torch.bmm(self.filters.expand(chunks.shape[0], -1, -1), chunks)  # [c, n_mels, 3000]
         log_spec = torch.clamp(mel, min=1e-10).log10()
-        peak = log_spec.amax(dim=(1, 2), keepdim=True)  # per chunk, as HF processes each chunk alone
-        log_spec = torch.maximum(log_spec, peak - 8.0)
+        log_spec = torch.maximum(log_spec, log_spec.amax() - 8.0)  # one floor for the whole audio
         return (log_spec + 4.0) / 4.0

@@ -137,7 +137,7 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, cos, sin, input_pos, mask):
-        c, (b, s, _) = self.c, x.shape  # x: [b, S, dim], mask: [S, max_seq]
+        c, (b, s, _) = self.c, x.shape  # x: [b, S, dim], mask: [S, max_seq], or None: a prompt from position 0
         kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
         # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so they are folded into
         # KV head j's rows ([b, H_kv, S*rep, D]); repeat_interleave would write rep copies of the cache.
@@ -146,11 +146,19 @@ class Attention(nn.Module):
         k = k.view(b, s, kv, d).transpose(1, 2)  # [b, H_kv, S, D]
         v = v.view(b, s, kv, d).transpose(1, 2)
         q, k = apply_rope(q, cos[:, None, :], sin[:, None, :]), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
+        cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
+        if mask is None:
+            # A prompt into an empty cache attends only to itself (causal over its positions), so the cost
+            # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq]. (SDPA's causal path
+            # would need no scores at all, but torch 2.11 CUDA cannot export it for a dynamic length either: an
+            # unprovable guard min(128*seq, 512*seq) == 128*seq.)
+            mask = input_pos[None, :] <= input_pos[:, None]  # [S, S]
+        else:
+            k, v = cached_k, cached_v
         q = q.reshape(b, kv, s * rep, d)
         # Written out rather than SDPA with a mask: torch 2.11 could not export SDPA's masked CUDA path for a
         # dynamic length (an unprovable guard). Softmax in float32, as HF's Llama does.
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, max_seq]
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, S or max_seq]
         scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
         y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, S*rep, D]
         y = y.view(b, kv, s, rep, d).permute(0, 2, 1, 3, 4).reshape(b, s, c.n_heads * d)
@@ -242,17 +250,21 @@ class LanguageModel(nn.Module):
 
 
 class TextDecoder(nn.Module):
-    """The decoder body without the embedding table: what the exported text_decoder method holds."""
+    """The decoder body without the embedding table: any positions, attending to the cache (decode steps, the
+    eager reference). With `prefill`, what the exported text_decoder method holds: a prompt from position 0 into
+    an empty cache (the runtime prefills a whole prompt in one call, always from an empty cache)."""
 
-    def __init__(self, c: TextConfig, lm: LanguageModel):
+    def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False):
         super().__init__()
-        self.c = c
+        self.c, self.prefill = c, prefill
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         # embeds: [1, S, dim], cache_position: [S] -> logits of the last position [1, vocab] float32
         max_seq = self.layers[0].self_attn.kv_cache.k_cache.shape[2]
-        mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [S, max_seq]
+        mask = None
+        if not self.prefill:
+            mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [S, max_seq]
         cos, sin = rope(cache_position, self.c.head_dim, self.c.rope_theta, embeds.dtype)
         x = embeds
         for layer in self.layers:
@@ -273,8 +285,8 @@ class Voxtral(nn.Module):
 
     def setup_caches(self, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
         t = self.config.text
-        dtype = dtype or self.language_model.lm_head.weight.dtype
-        device = self.language_model.lm_head.weight.device
+        w = self.language_model.model.embed_tokens.weight  # never quantised (lm_head may be: QuantLinear)
+        dtype, device = dtype or w.dtype, w.device
         for layer in self.language_model.model.layers:
             layer.self_attn.kv_cache = KVCache(max_seq_len, t.n_kv_heads, t.head_dim, dtype).to(device)
 
@@ -292,6 +304,10 @@ class Voxtral(nn.Module):
 
     def decoder(self) -> TextDecoder:
         return TextDecoder(self.config.text, self.language_model)
+
+    def prefiller(self) -> TextDecoder:
+        """The decoder for a prompt into an empty cache (the exported text_decoder)."""
+        return TextDecoder(self.config.text, self.language_model, prefill=True)
 
     def init_weights(self, seed: int) -> Voxtral:
         """Deterministic random init (normal(0, initializer_range), norms at one, biases zero), drawn per HF-layout
@@ -337,7 +353,7 @@ class TokenEmbeddingMethod(nn.Module):
 
 
 def methods(m: Voxtral) -> Methods:
-    device = m.language_model.lm_head.weight.device
+    device = m.language_model.model.embed_tokens.weight.device
     return Methods(
         LogMelSpectrogram(m.config.audio.n_mels).to(device), AudioEncoderMethod(m), TokenEmbeddingMethod(m), m.decoder()
     )

@@ -10,6 +10,7 @@ import torch
 from runner.bundle import Manifest
 from runner.errors import RunnerError
 from runner.families.voxtral import Tekken
+from runner.runtime.engine import decode_token
 
 
 def hf_config(manifest: Manifest, tok: Tekken):
@@ -97,6 +98,9 @@ class HFEngine:
     def decode(self, embeds, pos):
         out = self.model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
         return out.logits[:, -1].float()
+
+    def decode_token(self, token, pos):
+        return decode_token(self, token, pos)
 
     def reset(self):
         self.cache = self._cache_cls()

@@ -7,6 +7,10 @@ running audio_encoder after loading text_decoder called text_decoder's code; and
 because calling the last-registered library's Delete on another library's container crashed. With
 per-handle symbols Delete is always the container's own, and `destroy` can run it safely, in any order.
 
+Streams (tests/cuda/test_cuda_streams.py): an eager `execute` runs the container on the handle's own stream,
+after the work queued on the caller's current stream and before the work queued there next; a graph-safe
+`execute` (the decode graph, a captured prefill) runs on the caller's current stream, which a capture records.
+
 An AtenTensorHandle is an `at::Tensor*`; torch converts tensors to and from them as PyCapsules. `Run`
 steals the input handles and hands back output handles that we own (turned into tensors at once, so they
 are freed with the tensor: no per-call leak).
@@ -17,6 +21,7 @@ from __future__ import annotations
 import _ctypes
 import ctypes
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +119,13 @@ class Handle:
 _LOADED_FILES: dict[str, str] = {}
 
 
-def _check_not_stale(path: Path) -> None:
+def _check_not_stale(path: Path, expect: str | None = None) -> None:
     key, digest = str(path.resolve()), sha256_file(path)  # a .so is small: hashing costs milliseconds
+    if expect is not None and digest != expect:  # the last look before dlopen: replaced since it was verified?
+        raise DelegateError(
+            f"{path}: no longer the library the manifest pins (changed since the bundle was verified: replaced "
+            "while it loaded?); load the bundle again"
+        )
     if _LOADED_FILES.setdefault(key, digest) != digest:
         raise DelegateError(
             f"{path}: this process already loaded a different build from this path, and glibc would hand back "
@@ -137,13 +147,20 @@ class AOTIBackend:
     """Stateless: all state is in the handles it returns (and in the SharedTensors a Program passes in)."""
 
     def init(
-        self, spec: MethodSpec, bundle_dir: Path, device: str | torch.device, shared: SharedTensors | None = None
+        self,
+        spec: MethodSpec,
+        bundle_dir: Path,
+        device: str | torch.device,
+        shared: SharedTensors | None = None,
+        expect_sha256: str | None = None,
     ) -> Handle:
+        """Load the method's library (`expect_sha256`: the manifest's digest of it, checked once more just before
+        dlopen) and create its container, with its weights and state bound."""
         device = torch.device(device)
         path = safe_member(Path(bundle_dir), spec.library)
         if not path.is_file():
             raise DelegateError(f"{path}: missing")
-        _check_not_stale(path)
+        _check_not_stale(path, expect_sha256)
         try:
             lib = ctypes.CDLL(str(path.resolve()), mode=os.RTLD_LOCAL | os.RTLD_NOW)
         except OSError as e:
@@ -215,6 +232,13 @@ class AOTIBackend:
                 st = h.spec.state[key]
                 t = shared.state.get((h.spec.weights, key))
                 if t is None:
+                    # the size the library holds for it, checked before allocating what the manifest claims
+                    size = math.prod(st.shape) * torch_dtype(st.dtype).itemsize
+                    if size != nbytes.value:
+                        raise DelegateError(
+                            f"{h.spec.name}: state {key} is {st.dtype}{list(st.shape)} ({size} bytes), "
+                            f"the library expects {nbytes.value} bytes"
+                        )
                     t = torch.zeros(st.shape, dtype=torch_dtype(st.dtype), device=h.device)
                     shared.state[(h.spec.weights, key)] = t
                 elif list(t.shape) != list(st.shape) or t.dtype != torch_dtype(st.dtype):

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from runner.errors import GenerationError
+from runner.errors import AudioError, BundleError, GenerationError
 from runner.runtime.graphs import DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Method, Program
@@ -88,6 +88,11 @@ class ProgramEngine:
         # a cross-attended prefill is not captured: its graph was never measured or tested
         self.prefill_graphs = PrefillGraphs(self.device) if self.use_cuda_graph and not cross_attention else None
         self._capturable = False  # a view that runs every method on the current stream (see capturable())
+        # Whether every feature of this prompt is finite: kept on the device, so no host sync joins a captured
+        # prefill (a replay rewrites it like any static tensor), copied to the host after the prefill and read
+        # once the first token is there (check_features): by then the copy is done, and the read costs nothing.
+        self._features_ok = torch.ones((), dtype=torch.bool, device=self.device)
+        self._features_host = torch.ones((), dtype=torch.bool, pin_memory=self.device == "cuda")
 
     def capturable(self) -> ProgramEngine:
         """This engine with every method run on the caller's current stream through `...RunSingleThreaded`, the
@@ -102,7 +107,18 @@ class ProgramEngine:
         return method(*inputs)[0]
 
     def preprocess(self, wave):
-        return self._run(self._pre, wave)
+        mel = self._run(self._pre, wave)
+        self._features_ok.logical_and_(torch.isfinite(mel).all())
+        return mel
+
+    def check_features(self) -> None:
+        """Raise AudioError if a feature of the prompt just prefilled was NaN or Inf (finite samples of huge
+        amplitude overflow the log-mel): the encoder would run on NaN and the decoder pick token 0."""
+        if not bool(self._features_host):
+            raise AudioError(
+                "the audio's log-mel features are not finite (NaN or Inf): its samples are too large for the "
+                "preprocessor (normalise the audio to [-1, 1])"
+            )
 
     def encode(self, mel):
         out = self._run(self._enc, mel)
@@ -116,16 +132,20 @@ class ProgramEngine:
 
     def run_prefill(self, compute, inputs):
         if self.prefill_graphs is None:
-            return compute(self, *inputs)
-        return self.prefill_graphs.run(
-            lambda *xs: compute(self, *xs), inputs, lambda *xs: compute(self.capturable(), *xs)
-        )
+            out = compute(self, *inputs)
+        else:
+            out = self.prefill_graphs.run(
+                lambda *xs: compute(self, *xs), inputs, lambda *xs: compute(self.capturable(), *xs)
+            )
+        self._features_host.copy_(self._features_ok, non_blocking=True)  # read after the first token
+        return out
 
     def reset(self):
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
             self.graph = DecodeGraph(self.graph_step, self.device, overlap=self.pdl)
         self.program.reset_state()
+        self._features_ok.fill_(True)
 
     def graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """token_embedding + the decoder at one position, capturably: what a decode graph records."""
@@ -142,12 +162,22 @@ class ProgramEngine:
 
 def _check_mel_bins(program: Program, pre: Method, enc: Method) -> None:
     """The mel bins come from the bundle: preprocessor output, encoder input and manifest (if it says) agree."""
+    for spec, what in ((pre.spec.outputs, "preprocessor output"), (enc.spec.inputs, "audio_encoder input")):
+        if not spec or len(spec[0].shape) != 3:  # mel [chunks, n_mels, frames]
+            raise BundleError(f"{program.bundle_dir}: the manifest's {what} is not a mel [chunks, n_mels, frames]")
     n_mels = program.manifest.model.get("n_mels", pre.spec.outputs[0].shape[1])
     if not (n_mels == enc.spec.inputs[0].shape[1] == pre.spec.outputs[0].shape[1]):
         raise GenerationError(
             f"{program.bundle_dir}: mel bins disagree (manifest {n_mels}, preprocessor "
             f"{pre.spec.outputs[0].shape[1]}, audio_encoder {enc.spec.inputs[0].shape[1]})"
         )
+
+
+def check_features(e: Engine) -> None:
+    """The engine's feature check, for engines that keep one (ProgramEngine; the eager references do not)."""
+    check = getattr(e, "check_features", None)
+    if check is not None:
+        check()
 
 
 def decode_token(e: Engine, token: torch.Tensor, pos: int, decode=None) -> torch.Tensor:

@@ -7,6 +7,7 @@ prompts, its windows (Whisper: one per 30 s); `generate_windows` runs them in or
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import threading
@@ -18,10 +19,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from runner.audio import SAMPLE_RATE, pad_to_chunks
+from runner.audio import (
+    ANSWER_TOKENS_PER_SECOND,
+    DEFAULT_ANSWER_TOKENS,
+    N_SAMPLES,
+    SAMPLE_RATE,
+    pad_to_chunks,
+)
 from runner.errors import GenerationError
 from runner.runtime.detokenize import StreamDecoder, Tokenizer
-from runner.runtime.engine import Engine, to_encoder_dtype
+from runner.runtime.engine import Engine, check_features, to_encoder_dtype
+from runner.runtime.features import RecordingFeatures
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts
@@ -34,23 +42,43 @@ class TextSegment:
 
 @dataclass(frozen=True)
 class AudioSegment:
-    samples: np.ndarray  # float32 mono 16 kHz
+    """Audio for the encoder. `window` None: all of `samples` (float32 mono 16 kHz) is one encoder input, its
+    features ONE log-mel over it padded to whole 30 s chunks (Voxtral). `window` i: `samples` is a whole recording
+    and this segment its i-th 30 s window, the features cut from ONE log-mel over the recording, computed once
+    for all its windows (Whisper; runner/runtime/features.py)."""
+
+    samples: np.ndarray
+    window: int | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """The samples of audio this segment stands for."""
+        if self.window is None:
+            return len(self.samples)
+        return min(N_SAMPLES, max(0, len(self.samples) - self.window * N_SAMPLES))
 
 
 Segment = TextSegment | AudioSegment
 Prompt = list[Segment]  # one decoder context
 
 
-def stage(segments: list[Segment], device: str, audio_chunks: int) -> list[torch.Tensor]:
+def stage(segments: list[Segment], device: str, audio_chunks: int, window_mel=None) -> list[torch.Tensor]:
     """Each segment's input on the device (ids [1, S] int64, or the waveform padded to whole 30 s chunks, at
     most `audio_chunks`), all copied before any compute is queued: a copy from pageable host memory synchronises
-    the stream, so one made after the audio encoder is queued would wait for it."""
-    return [
+    the stream, so one made after the audio encoder is queued would wait for it. A recording's window (Whisper)
+    is its features [1, n_mels, 3000], from `window_mel(samples, window)` (RecordingFeatures.window) after the
+    copies."""
+    staged = [
         torch.tensor([s.ids], dtype=torch.int64).to(device)
         if isinstance(s, TextSegment)
+        else None
+        if s.window is not None
         else torch.from_numpy(pad_to_chunks(s.samples, audio_chunks)).to(device)
         for s in segments
     ]
+    if window_mel is None and any(x is None for x in staged):
+        raise GenerationError("a recording's window needs the recording's features: stage(..., window_mel=...)")
+    return [window_mel(s.samples, s.window) if x is None else x for s, x in zip(segments, staged)]
 
 
 # ---------------------------------------------------------------- options and results
@@ -58,7 +86,8 @@ def stage(segments: list[Segment], device: str, audio_chunks: int) -> list[torch
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    max_new_tokens: int = 128
+    # None: room for the audio's answer, ANSWER_TOKENS_PER_SECOND of it (at least 128), up to the context's end
+    max_new_tokens: int | None = 128
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -66,7 +95,7 @@ class GenerationOptions:
     record_logits: bool = False
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise GenerationError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
         if self.min_new_tokens < 0:
             raise GenerationError(f"--min-new-tokens {self.min_new_tokens}: must be >= 0")
@@ -80,6 +109,16 @@ class GenerationOptions:
 
 
 @dataclass(frozen=True)
+class WindowResult:
+    """One prompt window of a result: its own text, token count, stop reason and stats."""
+
+    text: str
+    tokens: int
+    stop_reason: str
+    stats: Stats
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     text: str
     prompt_ids: list[int]
@@ -88,6 +127,7 @@ class GenerationResult:
     stats: Stats
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per generated token, when recorded
     windows: tuple[int, ...] = ()  # tokens generated in each prompt window, in order (their sum: len(tokens))
+    parts: tuple[WindowResult, ...] = ()  # each prompt window's own text, tokens, stop reason and stats
 
     def window_tokens(self) -> list[list[int]]:
         """`tokens` cut back into windows: what teacher forcing replays, window by window."""
@@ -138,7 +178,8 @@ def prefill_compute(e: Engine, segments: list[Segment], inputs) -> tuple[torch.T
             check_fits(e, n, len(seg.ids))  # before embedding: the method refuses long ids
             parts.append(e.embed(x))
         else:
-            audio = e.encode(to_encoder_dtype(e.preprocess(x), e.encoder_dtype))
+            mel = x if seg.window is not None else e.preprocess(x)  # a window's input is already its features
+            audio = e.encode(to_encoder_dtype(mel, e.encoder_dtype))
             if getattr(e, "cross", None) is not None:
                 lengths.append(0)
                 continue
@@ -184,6 +225,7 @@ class MultimodalRunner:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, audio_id: int | None):
         self.engine, self.tok, self.audio_id = engine, tokenizer, audio_id
         self._busy = _state_lock(engine)
+        self._recordings = RecordingFeatures(engine)  # windows' features, for one generate_windows call
 
     def prefill(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
         """Every segment in order, as one decoder call; returns the last logits and the prompt ids (with the
@@ -191,7 +233,7 @@ class MultimodalRunner:
         if not segments:
             raise GenerationError("empty prompt: nothing to prefill")
         e = self.engine
-        inputs = stage(segments, e.device, e.max_audio_chunks)
+        inputs = stage(segments, e.device, e.max_audio_chunks, self._recordings.window)
         logits, lengths = e.run_prefill(lambda eng, *xs: prefill_compute(eng, segments, xs), inputs)
         prompt_ids: list[int] = []
         for seg, n in zip(segments, lengths):
@@ -218,8 +260,10 @@ class MultimodalRunner:
         stats: Stats | None = None,
         forced: list[list[int]] | None = None,
     ) -> GenerationResult:
-        """Each window as its own prompt, in order; one result with the text and tokens joined, the stats
-        summed (the first token's time is the first window's) and `windows` giving each one's token count."""
+        """Each window as its own prompt, in order; one result with the text and tokens joined (a space between
+        two windows' texts where neither has one, so words never run together; `on_text` streams the same), the
+        stats summed into `stats` (the first token's time is the first window's), `windows` giving each one's
+        token count and `parts` each one's own text and stats."""
         if not windows:
             raise GenerationError("empty prompt: nothing to prefill")
         if forced is not None and len(forced) != len(windows):
@@ -229,33 +273,40 @@ class MultimodalRunner:
                 "runner is busy: another generate() is running on this program (its KV cache is shared state); "
                 "use one program and runner per thread"
             )
+        stats = stats if stats is not None else Stats()
+        joiner = _Joiner(on_text)
         try:
-            stats = stats or Stats()
             results = []
             for i, window in enumerate(windows):
-                s = stats if i == 0 else Stats()
-                results.append(self._generate(window, opts, on_text, s, None if forced is None else forced[i]))
-                if i:
-                    _merge_stats(stats, s)
+                joiner.next_window()
+                s = copy.copy(stats)  # its own numbers, over what the caller recorded before (the model load)
+                out = joiner if on_text else None
+                results.append(self._generate(window, opts, out, s, None if forced is None else forced[i]))
         finally:
+            self._recordings.clear()
             self._busy.release()
+        vars(stats).update(vars(results[0].stats))
+        for r in results[1:]:
+            _merge_stats(stats, r.stats)
+        parts = tuple(WindowResult(r.text, len(r.tokens), r.stop_reason, r.stats) for r in results)
         if len(results) == 1:
-            return replace(results[0], windows=(len(results[0].tokens),))
+            return replace(results[0], stats=stats, windows=(len(results[0].tokens),), parts=parts)
         stats.finish_memory(self.engine.device)
         reasons = [r.stop_reason for r in results if r.stop_reason != "eos"]
         return GenerationResult(
-            text="".join(r.text for r in results),
+            text=join_texts(r.text for r in results),
             prompt_ids=[i for r in results for i in r.prompt_ids],
             tokens=[t for r in results for t in r.tokens],
             stop_reason=reasons[-1] if reasons else "eos",
             stats=stats,
             logits=[x for r in results for x in r.logits],
             windows=tuple(len(r.tokens) for r in results),
+            parts=parts,
         )
 
     def _generate(self, segments, opts: GenerationOptions, on_text, stats: Stats, forced) -> GenerationResult:
         e = self.engine
-        stats.audio_seconds = sum(len(s.samples) for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
+        stats.audio_seconds = sum(s.num_samples for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
         sampler, stream = Sampler(opts, e.device), StreamDecoder(self.tok)
         tokens: list[int] = []
         recorded: list[torch.Tensor] = []
@@ -266,13 +317,15 @@ class MultimodalRunner:
             stats.prompt_eval_end_ms = now_ms()
             stats.prompt_tokens = len(prompt_ids)
             stop = "max_new_tokens"
-            limit = opts.max_new_tokens if forced is None else min(opts.max_new_tokens, len(forced))
+            cap = opts.max_new_tokens or answer_room(stats.audio_seconds)
+            limit = cap if forced is None else min(cap, len(forced))
             pick = _Picker(sampler, forced, opts.record_logits, e.device, stats)
             greedy = forced is None and sampler.generator is None and not opts.record_logits
             advance = greedy_advance(e) if greedy else lambda token, pos, n: pick(e.decode_token(token, pos), n)
             for tok_id, chosen_from in token_stream(e, lambda: pick(logits, 0), len(prompt_ids), limit, advance):
                 if not tokens:
                     stats.first_token_ms = now_ms()
+                    check_features(e)  # the prefill's feature check, on the host once its token is (no extra sync)
                 tokens.append(tok_id)
                 if chosen_from is not None:
                     recorded.append(chosen_from)
@@ -293,6 +346,12 @@ class MultimodalRunner:
         stats.finish_memory(e.device)
         text = self.tok.decode([t for t in tokens if t < self.tok.vocab_size and t != self.tok.eos_id])
         return GenerationResult(text, prompt_ids, tokens, stop, stats, recorded)
+
+
+def answer_room(audio_seconds: float) -> int:
+    """The default cap on new tokens for a prompt with this much audio: a transcript of 10 minutes needs ~2400
+    tokens, where a fixed 128 would cut it short; a short file keeps 128."""
+    return max(DEFAULT_ANSWER_TOKENS, math.ceil(audio_seconds * ANSWER_TOKENS_PER_SECOND))
 
 
 class _Picker:
@@ -364,8 +423,42 @@ def _recorded_event(device: str):
 
 
 def _merge_stats(total: Stats, s: Stats) -> None:
+    """Adds window `s` to `total`: counts and durations summed, the end time the latest window's."""
+    total.prompt_eval_total_ms = total.prompt_eval_ms + s.prompt_eval_ms
+    total.generation_total_ms = total.generation_ms + s.generation_ms
+    total.decode_total_ms = total.decode_ms + s.decode_ms
+    total.windows += s.windows
     total.prompt_tokens += s.prompt_tokens
     total.generated_tokens += s.generated_tokens
     total.aggregate_sampling_time_ms += s.aggregate_sampling_time_ms
     total.audio_seconds += s.audio_seconds
     total.inference_end_ms = s.inference_end_ms
+
+
+def join_texts(texts) -> str:
+    """Windows' texts as one, as `_Joiner` streams them."""
+    out: list[str] = []
+    joiner = _Joiner(out.append)
+    for text in texts:
+        joiner.next_window()
+        joiner(text)
+    return "".join(out)
+
+
+class _Joiner:
+    """Streams the texts of consecutive windows as one text: a space before a window's first text where the text
+    so far ends in none and it begins with none (a cut at a pause falls between two words)."""
+
+    def __init__(self, out: Callable[[str], None] | None):
+        self.out, self.tail, self.pending = out, "", False
+
+    def next_window(self) -> None:
+        self.pending = bool(self.tail) and not self.tail[-1].isspace()
+
+    def __call__(self, text: str) -> None:
+        if not text:
+            return
+        if self.pending and not text[0].isspace():
+            text = " " + text
+        self.pending, self.tail = False, text
+        self.out(text)

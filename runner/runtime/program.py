@@ -82,7 +82,8 @@ class Program:
         try:
             for name, spec in manifest.methods.items():
                 t = time.perf_counter()
-                methods[name] = Method(backend, backend.init(spec, bundle_dir, device, shared))
+                pinned = manifest.files[spec.library].sha256
+                methods[name] = Method(backend, backend.init(spec, bundle_dir, device, shared, pinned))
                 load_ms[name] = (time.perf_counter() - t) * 1e3
                 log.info("loaded %s in %.1f ms", name, load_ms[name])
         except BaseException:

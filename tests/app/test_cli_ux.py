@@ -20,7 +20,7 @@ from runner.errors import BundleError
 REPO = Path(__file__).resolve().parents[2]
 AUDIO = REPO / "fixtures" / "audio"
 GOLDEN = REPO / "fixtures" / "golden" / "tiny.json"
-VERBS = ("export", "run", "inspect", "bench", "fetch")
+VERBS = ("export", "run", "inspect", "bench", "fetch", "stream")
 # the help's width follows COLUMNS; a fixed one keeps "(default: N)" on one line whatever the terminal
 ENV = {**os.environ, "COLUMNS": "200"}
 
@@ -66,8 +66,8 @@ def test_every_verb_shows_its_defaults(monkeypatch):
     for verb in sub.choices.values():
         assert issubclass(verb.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
     helps = {name: verb.format_help() for name, verb in sub.choices.items()}
-    assert "(default: 1024)" in helps["export"]  # --max-seq-len
-    assert "(default: 128)" in helps["run"]  # --max-new-tokens: a flag that had no help text
+    assert "(default: 20)" in helps["export"]  # --max-audio-chunks
+    assert "(default: 0.0)" in helps["run"] and "--max-new-tokens" in helps["run"]  # --max-new-tokens: its own words
     assert "(default: 0.0)" in helps["run"]  # --temperature
     assert "(default: method,e2e,memory)" in helps["bench"]
     assert f"(default: {fixtures.fixtures_dir() / 'audio' / 'speech.wav'})" in helps["bench"]
@@ -78,12 +78,13 @@ def test_every_verb_shows_its_defaults(monkeypatch):
 def test_the_verbs_flags_and_defaults_parse_as_before(tmp_path):
     p = build_parser()
     run = p.parse_args(["run", "--bundle", "b", "--audio", "a.wav"])
-    assert (run.max_new_tokens, run.temperature, run.top_p, run.min_new_tokens) == (128, 0.0, 1.0, 0)
+    # max_new_tokens None: 128, or 4 a second of the window's audio when that is more (generate.answer_room)
+    assert (run.max_new_tokens, run.temperature, run.top_p, run.min_new_tokens) == (None, 0.0, 1.0, 0)
     bench = p.parse_args(["bench", "--bundle", "b"])
     assert (bench.max_new_tokens, bench.min_new_tokens, bench.compare, bench.max_regression) == (32, 32, "eager", 20.0)
     assert bench.audio == fixtures.fixtures_dir() / "audio" / "speech.wav"
     export = p.parse_args(["export"])
-    assert (export.preset, export.max_seq_len, export.max_audio_chunks, export.seed) == (None, 1024, 2, 0)
+    assert (export.preset, export.max_seq_len, export.max_audio_chunks, export.seed) == (None, None, 20, 0)
     fetch = p.parse_args(["fetch", "--repo", "o/n", "--latest", "--name", "x"])
     assert fetch.latest and fetch.api_url is None
 
@@ -256,7 +257,10 @@ def test_export_draws_no_spinner_into_a_log_even_with_force_color(tmp_path):
     r = subprocess.run([*cmd, "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1
     errors = [line for line in r.stderr.splitlines() if "error:" in line]
-    assert errors == ["error: --max-seq-len 16 cannot hold 2 audio chunks (750 tokens) plus a prompt"], r.stderr
+    assert errors == [
+        "error: --max-seq-len 16 cannot hold 20 audio chunks (7500 positions), a prompt (16) and an answer "
+        "(64 at least); for 20 chunks the default is 10240"
+    ], r.stderr
     assert "\r" not in r.stderr and "\x1b[?25l" not in r.stderr  # no carriage-return redraws, no hidden cursor
     assert "exporting tiny (cpu, fp32)" in r.stderr  # the progress, as a line
     assert not (tmp_path / "out").exists()

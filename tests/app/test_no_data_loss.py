@@ -88,7 +88,7 @@ def test_replacing_our_bundle_keeps_a_file_written_into_it_meanwhile(tmp_path):
     pub.check_destination(dest, merge=False)  # ours: may be replaced
     (dest / "written-meanwhile.txt").write_text("not ours")  # between the check and the swap
     kept = pub.publish(stage, dest)
-    assert verify_bundle(dest).model == {"preset": "fake"} and (dest / "tekken.json").read_text() == '{"seed": 2}'
+    assert verify_bundle(dest).model["preset"] == "fake" and (dest / "tekken.json").read_text() == '{"seed": 2}'
     assert kept is not None and contents(kept) == {"written-meanwhile.txt": b"not ours"}
     assert not stage.exists()
 

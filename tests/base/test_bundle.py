@@ -70,7 +70,19 @@ def _sample_manifest() -> Manifest:
         device="cuda",
         gpu_arch="sm_90",
         dtype="bfloat16",
-        model={"family": "voxtral", "max_seq_len": 8, "special_tokens": {"bos": 1}, "nested": [1, 2.5, None, "x"]},
+        model={
+            "family": "voxtral",
+            "config": {
+                "text": {"vocab_size": 1024, "dim": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
+                "audio": {"dim": 64, "n_layers": 1},
+            },
+            "max_seq_len": 8,
+            "max_audio_chunks": 2,
+            "tokens_per_chunk": 375,
+            "tokenizer": "tekken.json",
+            "special_tokens": {"bos": 1},
+            "nested": [1, 2.5, None, "x"],
+        },  # fmt: skip
         methods={
             "audio_encoder": MethodSpec(
                 "audio_encoder",
@@ -377,3 +389,35 @@ def test_verify_bundle_on_a_mutated_real_manifest_raises_only_bundle_error(fuzz_
         pass
     finally:
         (bundle / MANIFEST_NAME).write_text(text)
+
+
+# ---------------------------------------------------------------- bounded and only-a-cache (issue 23)
+
+
+def test_a_manifest_far_larger_than_any_manifest_is_refused_unread(bundle):
+    """A 17 MiB model.pte (valid JSON, padded) was read whole; a manifest is a few kB."""
+    text = (bundle / MANIFEST_NAME).read_text()
+    (bundle / MANIFEST_NAME).write_text(" " * (17 << 20) + text)
+    _verify_fails(bundle, MANIFEST_NAME, "not a manifest")
+
+
+def test_a_remembered_digest_that_disagrees_is_hashed_again_not_believed(bundle, tmp_path):
+    """The digest cache is only a cache: a wrong digest remembered for an intact file (a cache copied from
+    another machine, a stale entry) made verify_bundle call the file corrupt."""
+    cache = DigestCache(tmp_path / "d.json")
+    for rel in read_manifest(bundle).files:
+        cache.remember(bundle / rel, "0" * 64)
+    cache.save()
+    verify_bundle(bundle, digests=DigestCache(tmp_path / "d.json"))  # hashed, found intact, remembered right
+    again = DigestCache(tmp_path / "d.json")
+    assert all(again.known(bundle / rel) == e.sha256 for rel, e in read_manifest(bundle).files.items())
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "7", "null", '"x"', '{"k": 5, "j": [1]}', "{" * 10_000])
+def test_a_digest_cache_that_is_not_an_object_of_digests_is_ignored(tmp_path, content):
+    path = tmp_path / "d.json"
+    path.write_text(content)
+    cache = DigestCache(path)
+    f = tmp_path / "f"
+    f.write_bytes(b"abc")
+    assert cache.entries == {} and cache.known(f) is None and cache.sha256(f) == sha256_file(f)

@@ -54,6 +54,13 @@ def _copy_ckpt(src: Path, dest: Path) -> Path:
     return dest
 
 
+def _as_saved(state: dict, key: str) -> str:
+    """A published-layout key as the installed transformers' save_pretrained spells it in `state` (5.17 nests
+    the text model once more: language_model.model.model.*)."""
+    nested = key.replace("language_model.model.", "language_model.model.model.", 1)
+    return key if key in state or nested not in state else nested
+
+
 # ---------------------------------------------------------------- the happy paths
 
 
@@ -143,8 +150,10 @@ def _rewrite_weights(ckpt: Path, edit) -> None:
 
 def test_missing_unexpected_and_misshaped_keys_are_one_error_naming_each(hf_dir, tmp_path):
     ckpt = _copy_ckpt(hf_dir, tmp_path / "bad")
-    missing = "language_model.model.layers.1.mlp.up_proj.weight"
-    unexpected = "language_model.model.layers.7.self_attn.rotary_emb.inv_freq"
+    saved = load_file(str(ckpt / "model.safetensors"))
+    missing = _as_saved(saved, "language_model.model.layers.1.mlp.up_proj.weight")
+    text_prefix = missing.removesuffix("layers.1.mlp.up_proj.weight")  # as this transformers spells it
+    unexpected = text_prefix + "layers.7.self_attn.rotary_emb.inv_freq"
     misshaped = "audio_tower.layers.0.fc1.weight"
 
     def edit(s):
@@ -183,7 +192,10 @@ def test_each_kind_of_mismatch_alone_is_an_export_error(hf_dir, tmp_path, kind):
 
 def test_many_missing_keys_are_counted(hf_dir, tmp_path):
     ckpt = _copy_ckpt(hf_dir, tmp_path / "bad")
-    _rewrite_weights(ckpt, lambda s: [s.pop(k) for k in list(s) if k.startswith("language_model.model.layers.1.")])
+    layer = _as_saved(
+        load_file(str(ckpt / "model.safetensors")), "language_model.model.layers.1.input_layernorm.weight"
+    )
+    _rewrite_weights(ckpt, lambda s: [s.pop(k) for k in list(s) if k.startswith(layer.split("input_layernorm")[0])])
     with pytest.raises(ExportError, match=r"missing: .*\(9\)"):  # 7 linears + 2 norms in one decoder layer
         load_checkpoint(ckpt)
 

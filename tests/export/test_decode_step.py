@@ -32,15 +32,15 @@ def test_step_binds_text_decoders_weights_and_cache(tiny_bundle):
 
 
 def test_step_decodes_from_the_cache_text_decoder_wrote(tiny_bundle):
-    """Prefill with text_decoder, one token with the step method, against text_decoder for both."""
+    """Prefill with text_decoder, one token with the step method, against text_decoder prefilling both (it
+    takes a prompt into an empty cache: the last position's logits are the step's)."""
     g = torch.Generator().manual_seed(3)
     with Program.load(tiny_bundle) as p, torch.no_grad():
         dec, step = p.methods["text_decoder"], p.methods["text_decoder_step"]
         h = dec.spec.inputs[0].shape[2]
         prompt, token = torch.randn(1, 9, h, generator=g) * 0.5, torch.randn(1, 1, h, generator=g) * 0.5
         p.reset_state()
-        dec(prompt, torch.arange(9))
-        want = dec(token, torch.tensor([9]))[0]
+        want = dec(torch.cat([prompt, token], dim=1), torch.arange(10))[0]
         p.reset_state()
         dec(prompt, torch.arange(9))
         got = step(token, torch.tensor([9]))[0]

@@ -14,11 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import AUDIO, OTHER_HF_CONFIG
+from conftest import AUDIO, CACHE, OTHER_HF_CONFIG
 from safetensors import safe_open
 
 from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK, load_audio, pad_to_chunks
-from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METHOD, read_manifest, verify_bundle
+from runner.bundle import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    METHOD_NAMES,
+    STEP_METHOD,
+    read_manifest,
+    sha256_file,
+    verify_bundle,
+)
 from runner.errors import DelegateError, ExportError
 from runner.export import pipeline as exporter
 from runner.export.checkpoint import load_checkpoint
@@ -269,8 +277,8 @@ def test_token_embedding_matches_eager_exactly(loaded):
 
 
 def test_text_decoder_prefill_and_decode_match_eager_with_kv_state(loaded):
-    """An audio prompt (audio embeddings at the [AUDIO] positions), then greedy decode steps of one position;
-    the exported method keeps its KV cache between calls exactly as eager's buffers do."""
+    """An audio prompt (audio embeddings at the [AUDIO] positions) into text_decoder, then greedy decode steps of
+    one position through text_decoder_step; the KV cache the two share holds what eager's buffers do."""
     program, eager = loaded
     sp = program.manifest.model["special_tokens"]
     m = program.methods
@@ -305,7 +313,7 @@ def test_text_decoder_prefill_and_decode_match_eager_with_kv_state(loaded):
                 assert int(got.argmax()) == tok
                 tokens.append(tok)
                 e = m["token_embedding"](torch.tensor([[tok]]))[0]
-                got = m["text_decoder"](e, torch.tensor([S + step]))[0]
+                got = m["text_decoder_step"](e, torch.tensor([S + step]))[0]
                 want = decoder(e, torch.tensor([S + step]))
                 _close(got, want, f"run {run}: decode step {step}")
             if run == 0:
@@ -315,7 +323,8 @@ def test_text_decoder_prefill_and_decode_match_eager_with_kv_state(loaded):
 
 
 def test_text_decoder_state_matters(loaded):
-    """The decode step only matches because of the prefill's KV state: after reset_state it differs."""
+    """The decode step only matches because of the prefill's KV state (text_decoder wrote it, text_decoder_step
+    reads it): after reset_state it differs."""
     program, eager = loaded
     m = program.methods
     g = torch.Generator().manual_seed(2)
@@ -323,9 +332,9 @@ def test_text_decoder_state_matters(loaded):
     step = m["token_embedding"](torch.tensor([[5]]))[0]
     program.reset_state()
     m["text_decoder"](embeds, torch.arange(20))
-    warm = m["text_decoder"](step, torch.tensor([20]))[0]
+    warm = m["text_decoder_step"](step, torch.tensor([20]))[0]
     program.reset_state()
-    cold = m["text_decoder"](step, torch.tensor([20]))[0]
+    cold = m["text_decoder_step"](step, torch.tensor([20]))[0]
     assert (warm - cold).abs().max() > 1e-3
     eager.reset_caches()
     with torch.no_grad():
@@ -355,7 +364,7 @@ def test_other_bundle_matches_transformers_end_to_end(other_bundle, other_checkp
             want = hf(input_ids=ids, input_features=mel).logits[:, -1]
         _close(got, want, "prefill vs transformers")
         nxt = int(want.argmax())
-        got = m["text_decoder"](m["token_embedding"](torch.tensor([[nxt]]))[0], torch.tensor([S]))[0]
+        got = m["text_decoder_step"](m["token_embedding"](torch.tensor([[nxt]]))[0], torch.tensor([S]))[0]
         with torch.no_grad():
             want = hf(input_ids=torch.cat([ids, torch.tensor([[nxt]])], 1), input_features=mel).logits[:, -1]
         _close(got, want, "decode step vs transformers")
@@ -372,7 +381,8 @@ def test_reexport_hits_the_compile_cache(tiny_bundle, tiny_checkpoint, tmp_path)
     m = read_manifest(tiny_bundle)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     t0 = time.perf_counter()
-    report = export_voxtral(model, source, tekken, tmp_path / "again", ExportOptions())
+    sizes = {"max_audio_chunks": m.model["max_audio_chunks"], "max_seq_len": m.model["max_seq_len"]}
+    report = export_voxtral(model, source, tekken, tmp_path / "again", ExportOptions(cache_dir=CACHE, **sizes))
     wall = time.perf_counter() - t0
     assert report.cached == {name: True for name in (*METHOD_NAMES, STEP_METHOD)}
     assert all(s < 1.0 for s in report.compile_seconds.values()), report.compile_seconds
@@ -404,7 +414,7 @@ def test_failed_compile_leaves_no_half_bundle(tiny_bundle, tiny_checkpoint, tmp_
         / "cache"
         / "compiled"
         / exporter.cache_key(model, source, opts, "preprocessor", family_key(opts))
-        / "preprocessor.so"
+        / f"preprocessor.{sha256_file(tiny_bundle / 'preprocessor.so')}.so"  # an entry is named after its digest
     )
     cached.parent.mkdir(parents=True)
     shutil.copyfile(tiny_bundle / "preprocessor.so", cached)
@@ -471,7 +481,9 @@ def test_max_seq_len_too_small_for_the_audio_is_an_export_error(tiny_checkpoint,
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     out = tmp_path / "tiny"
     with pytest.raises(ExportError, match=r"--max-seq-len 700 .*2 audio chunks"):
-        export_voxtral(model, source, tekken, out, ExportOptions(max_seq_len=700, cache_dir=tmp_path / "cache"))
+        export_voxtral(
+            model, source, tekken, out, ExportOptions(max_seq_len=700, max_audio_chunks=2, cache_dir=tmp_path / "cache")
+        )
     assert not out.exists()
     with pytest.raises(ExportError, match="--max-seq-len 380"):
         export_voxtral(

@@ -10,6 +10,7 @@ theta alone moves the logits by 0.2 - 0.6.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -101,6 +102,11 @@ def _all_position_logits(ours, embeds: torch.Tensor) -> torch.Tensor:
     return every
 
 
+def _cache_kw(hf) -> str:
+    """transformers 5.2x renamed past_key_values to cache; 5.17 silently ignores `cache=` (runs uncached)."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
 def _hf_cache(out):
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
@@ -157,7 +163,7 @@ def test_text_decoder_last_logits_and_decode_steps_match_transformers_kv_cache(p
             assert int(logits.argmax()) == int(nxt)
             seq = torch.cat([seq, nxt], dim=1)
             logits = decoder(TokenEmbeddingMethod(ours)(nxt), torch.tensor([S + step]))
-            out = pair.hf(input_ids=nxt, cache=cache, use_cache=True)
+            out = pair.hf(input_ids=nxt, use_cache=True, **{_cache_kw(pair.hf): cache})
             cache = _hf_cache(out)
             err = (logits - out.logits[:, -1]).abs().max().item()
             assert err <= ATOL, f"decode step {step}: logits differ from HF's cached step by {err:.3g}"

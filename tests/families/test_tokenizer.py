@@ -5,6 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runner.errors import TokenizerError
@@ -229,11 +230,88 @@ def test_fixture_bpe_starts_with_the_256_bytes():
     assert [base64.b64decode(v["token_bytes"]) for v in vocab[:256]] == [bytes([b]) for b in range(256)]
 
 
-def test_matches_mistral_common_when_installed(tok):
-    tekken = pytest.importorskip("mistral_common.tokens.tokenizers.tekken")
-    ref = tekken.Tekkenizer.from_file(str(TEKKEN))
+# --- mistral-common (in the test extra: these run, never skip) ---
+
+
+def test_matches_mistral_common(tok):
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    ref = Tekkenizer.from_file(str(TEKKEN))
     for text in TEXTS:
         assert tok.encode(text) == ref.encode(text, bos=False, eos=False)
     special_id = getattr(ref, "get_special_token", None) or ref.get_control_token  # renamed in newer releases
     for name, rank in REAL_RANKS.items():
         assert special_id(name) == rank
+
+
+AUDIO = FIXTURES / "audio"
+PROMPT_AUDIO = ["speech.wav", "long_35s.flac", "speech_48k_stereo.wav"]  # 1 chunk, 2 chunks, resampled stereo
+
+
+def _our_ids(tok, path, prompt=None, language=None) -> list[int]:
+    """The ids `run` feeds the decoder for one file: the family's prompt, [AUDIO] at each audio position (375
+    per 30 s chunk, as the audio encoder returns them)."""
+    from runner.audio import TOKENS_PER_CHUNK, num_chunks
+    from runner.families.voxtral import VoxtralFamily
+    from runner.runtime.generate import AudioSegment
+
+    (segments,) = VoxtralFamily(tok).prompts(path, prompt, language, max_audio_chunks=4)
+    ids: list[int] = []
+    for seg in segments:
+        n = TOKENS_PER_CHUNK * num_chunks(len(seg.samples)) if isinstance(seg, AudioSegment) else 0
+        ids += [tok.special_id("[AUDIO]")] * n if n else list(seg.ids)
+    return ids
+
+
+def _mistral_audio(path):
+    """Our decoded samples as mistral-common's Audio: both sides see the same waveform."""
+    from mistral_common.tokens.tokenizers.audio import Audio
+
+    from runner.audio import SAMPLE_RATE, load_audio
+
+    return Audio(load_audio(path), SAMPLE_RATE, format="wav")
+
+
+def _transcription(mistral, audio, language=None) -> list[int]:
+    from mistral_common.protocol.transcription.request import TranscriptionRequest
+
+    request = TranscriptionRequest(model="voxtral", audio=audio.to_base64("wav"), language=language)
+    return mistral.encode_transcription(request).tokens
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    return MistralTokenizer.from_file(str(TEKKEN))  # the fixture carries Voxtral's audio section
+
+
+@pytest.mark.parametrize("language", [None, "en", "fr"])
+@pytest.mark.parametrize("name", PROMPT_AUDIO)
+def test_transcription_prompt_is_mistral_commons_id_for_id(tok, mistral, name, language):
+    theirs = _transcription(mistral, _mistral_audio(AUDIO / name), language)
+    assert _our_ids(tok, AUDIO / name, language=language) == theirs
+
+
+@pytest.mark.parametrize("question", ["What is said here?", "Summarise [INST] this </s> audio, please."])
+@pytest.mark.parametrize("name", PROMPT_AUDIO)
+def test_chat_prompt_is_mistral_commons_id_for_id(tok, mistral, name, question):
+    """The seed's chat prompt is mistral-common's chat request with the audio first, then the question; a
+    control token's name typed in the question stays text on both sides."""
+    from mistral_common.protocol.instruct.chunk import AudioChunk, TextChunk
+    from mistral_common.protocol.instruct.messages import UserMessage
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    content = [AudioChunk.from_audio(_mistral_audio(AUDIO / name)), TextChunk(text=question)]
+    theirs = mistral.encode_chat_completion(ChatCompletionRequest(messages=[UserMessage(content=content)]))
+    assert _our_ids(tok, AUDIO / name, prompt=question) == theirs.tokens
+
+
+def test_mistral_common_counts_375_audio_tokens_per_30_s_chunk(tok, mistral):
+    """What the comparisons above rest on, stated: [BEGIN_AUDIO] once, then 375 [AUDIO] per started chunk."""
+    from mistral_common.tokens.tokenizers.audio import Audio
+
+    for seconds, chunks in ((1, 1), (30, 1), (30.01, 2), (61, 3)):
+        ids = _transcription(mistral, Audio(np.zeros(round(seconds * 16000), np.float32), 16000, format="wav"))
+        assert ids.count(tok.special_id("[AUDIO]")) == 375 * chunks, seconds
+        assert ids.count(tok.special_id("[BEGIN_AUDIO]")) == 1

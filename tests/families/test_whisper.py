@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import CACHE
@@ -113,13 +115,14 @@ def test_eager_logits_match_transformers_whisper_on_the_same_weights(whisper, ea
     state = {f"model.{k}": v for k, v in model.state_dict().items() if "kv_cache" not in k}
     state["proj_out.weight"] = state["model.decoder.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)
-    from runner.audio import load_audio, pad_to_chunks
+    from runner.audio import load_audio
     from runner.models.mel import LogMelSpectrogram
+    from runner.runtime.features import RecordingFeatures
 
-    mel = LogMelSpectrogram(80)
+    features = RecordingFeatures(SimpleNamespace(preprocess=LogMelSpectrogram(80), device="cpu"))
     for name in ("speech.wav", "short.wav", "silence.wav"):
         result = eager_results[name]
-        feats = mel(torch.from_numpy(pad_to_chunks(load_audio(AUDIO / name), 1)))
+        feats = features.window(load_audio(AUDIO / name), 0)  # what the runner encodes (one window each)
         ids = torch.tensor([result.prompt_ids + result.tokens[:-1]])
         with torch.no_grad():
             logits = hf(input_features=feats, decoder_input_ids=ids).logits[0, len(result.prompt_ids) - 1 :]
@@ -140,6 +143,29 @@ def test_long_audio_is_transcribed_window_by_window(eager_results, tokenizer):
     assert len(result.windows) == 2 and sum(result.windows) == len(result.tokens)
     assert result.tokens[result.windows[0] - 1] == tokenizer.eos_id  # the first window ended by itself
     assert "exactly what was said" in result.text.lower()
+
+
+def test_a_recordings_features_are_computed_once_for_all_its_windows(eager_runner):
+    """One preprocessor call over the whole recording + 30 s of zeros (35 s + 30 s: 3 chunks) for both windows,
+    dropped when the call ends; the windows' audio time adds up to the file's."""
+    engine = eager_runner.engine
+    calls = []
+    real = engine.methods.preprocessor
+
+    def counting(wave):
+        calls.append(wave.shape[0])
+        return real(wave)
+
+    engine.methods.preprocessor = counting
+    try:
+        result = eager_runner.generate_windows(
+            prompts(eager_runner.tok, AUDIO / "long_35s.flac"), GenerationOptions(max_new_tokens=2)
+        )
+    finally:
+        engine.methods.preprocessor = real
+    assert calls == [3 * 480000] and len(result.windows) == 2
+    assert result.stats.audio_seconds == pytest.approx(35.0, abs=1e-3)
+    assert not eager_runner._recordings._mels
 
 
 def test_prompt_refuses_chat_prompts_and_other_languages_on_an_english_only_model(eager_runner):
@@ -185,9 +211,38 @@ def test_bundle_declares_the_family_mel_bins_and_tokenizer(whisper_bundle):
     m = verify_bundle(whisper_bundle)
     assert m.model["family"] == "whisper" and m.model["n_mels"] == 80
     assert m.model["tokenizer"] == "tokenizer.json" and "tokenizer.json" in m.files
-    assert m.methods["preprocessor"].outputs[0].shape == [1, 80, 3000]
+    # the preprocessor takes a whole recording (4 h + the 30 s of zeros after it); the encoder one window
+    assert m.methods["preprocessor"].outputs[0].shape == [{"min": 1, "max": 481}, 80, 3000]
+    assert m.model["max_recording_chunks"] == 481 and m.methods["audio_encoder"].inputs[0].shape == [1, 80, 3000]
     assert [t.name for t in m.methods["text_decoder"].inputs] == ["embeds", "cache_position", "cross_kv"]
     assert m.model["special_tokens"]["sot"] == 50257 and m.model["special_tokens"]["notimestamps"] == 50362
+
+
+@pytest.mark.parametrize("seconds", [20, 60, 140])  # 1, 2 and 5 windows
+def test_bundle_features_are_openai_whispers_over_the_whole_recording(whisper_bundle, seconds):
+    """The compiled preprocessor, called once for the recording, cut into windows by the runtime: openai/whisper's
+    transcribe features (log_mel_spectrogram over the recording + 30 s of zeros, segments padded with 0.0)."""
+    whisper_pkg = pytest.importorskip("whisper")
+    from runner.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE
+    from runner.runtime.engine import ProgramEngine
+    from runner.runtime.features import RecordingFeatures, window_count
+    from runner.runtime.program import Program
+
+    rng = np.random.default_rng(seconds)
+    n = seconds * SAMPLE_RATE
+    wave = np.concatenate([rng.standard_normal(n // 2) * 1e-4, rng.standard_normal(n - n // 2) * 0.5])
+    wave = wave.astype(np.float32)  # quiet, then loud: the loud half's max floors the quiet half
+    full = whisper_pkg.log_mel_spectrogram(torch.from_numpy(wave), 80, padding=N_SAMPLES)
+    content = full.shape[-1] - N_FRAMES
+    ref = [
+        whisper_pkg.pad_or_trim(full[:, s : s + min(N_FRAMES, content - s)], N_FRAMES)
+        for s in range(0, content, N_FRAMES)
+    ]
+    with Program.load(whisper_bundle) as program:
+        features = RecordingFeatures(ProgramEngine(program, cross_attention=True))
+        ours = [features.window(wave, i) for i in range(window_count(len(wave)))]
+    assert len(ours) == len(ref) == -(-seconds // 30)
+    assert max((a[0] - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-5
 
 
 def test_run_verb_transcribes_the_fixtures_with_the_eager_tokens_and_wer_below_the_threshold(

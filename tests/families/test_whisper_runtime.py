@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from runner.audio import N_SAMPLES
-from runner.errors import GenerationError, TokenizerError
-from runner.families.whisper import whisper_prompt, windows
+from runner.errors import AudioError, BundleError, GenerationError, TokenizerError
+from runner.families.whisper import WhisperFamily, whisper_prompt, windows
 from runner.families.whisper.tokenizer import WhisperTokenizer, _byte_decoder
 from runner.runtime.detokenize import StreamDecoder
 from runner.runtime.generate import AudioSegment, GenerationResult, TextSegment
@@ -66,14 +66,32 @@ def test_prompt_english_only_and_multilingual(tokenizer):
     assert whisper_prompt(tokenizer, True, "en") == (257, 258, 259, 260)
 
 
-def test_audio_is_cut_into_one_prompt_per_30_s_window():
-    samples = np.arange(N_SAMPLES + 5, dtype=np.float32)
+def test_audio_is_cut_into_one_prompt_per_30_s_window_of_the_whole_recording():
+    """openai/whisper's windows: one per 3000 content frames (len // 160), each a window of the whole recording
+    (whose features are computed once over all of it)."""
+    samples = np.arange(N_SAMPLES + 200, dtype=np.float32)
     got = windows(samples, (1, 2))
     assert [[type(s).__name__ for s in w] for w in got] == [["AudioSegment", "TextSegment"]] * 2
-    assert [len(w[0].samples) for w in got] == [N_SAMPLES, 5] and got[1][0].samples[0] == N_SAMPLES
+    assert all(isinstance(w[0], AudioSegment) and w[0].samples is samples for w in got)
+    assert [w[0].window for w in got] == [0, 1] and [w[0].num_samples for w in got] == [N_SAMPLES, 200]
     assert all(w[1] == TextSegment((1, 2)) for w in got)
+    assert len(windows(samples[: N_SAMPLES + 100], (1,))) == 1  # under one hop past 30 s: no frame, no window
     assert len(windows(np.zeros(0, np.float32), (1,))) == 1  # silence: still one window
-    assert isinstance(got[0][0], AudioSegment)
+
+
+def test_a_recording_longer_than_the_preprocessor_takes_is_refused_by_name(tokenizer, tmp_path):
+    sf = pytest.importorskip("soundfile")
+    path = tmp_path / "forty.wav"
+    sf.write(path, np.zeros(40 * 16000, np.float32), 16000)  # 40 s + the 30 s of zeros: 3 chunks
+    with pytest.raises(AudioError, match=r"forty.wav: audio is 40.0 s long; .* recordings up to 30 s"):
+        WhisperFamily(tokenizer, max_recording_chunks=2).prompts(path, None, None, 1)
+    assert len(WhisperFamily(tokenizer, max_recording_chunks=3).prompts(path, None, None, 1)) == 2
+
+
+def test_a_bundle_whose_preprocessor_takes_one_window_must_be_re_exported(tmp_path):
+    model = {"config": {"text": {"vocab_size": 300}}, "tokenizer": "tokenizer.json"}
+    with pytest.raises(BundleError, match="re-export"):
+        WhisperFamily.from_bundle(tmp_path, model)
 
 
 def test_tokens_are_split_back_by_each_windows_count():

@@ -4,14 +4,17 @@
     python tests/fuzz/fuzz_manifest.py [BUNDLE_DIR] -max_total_time=300 [CORPUS_DIR]     (nox -s fuzz)
 
 With BUNDLE_DIR (a real bundle, default $VOXTRAL_FUZZ_BUNDLE), each input is also written as a copy's model.pte
-and verified (sizes, paths, links, listed files; digests off, for speed). A custom mutator edits the JSON tree
+and verified (sizes, paths, links, listed files; digests off, for speed), then read as the runner reads it before
+any dlopen (compatibility, family and tokenizer, `inspect`): only RunnerError may escape those. A custom mutator edits the JSON tree
 (replace or delete a value anywhere) half of the time, so inputs get past the format check and reach the
 per-field code; the other half are libFuzzer's byte mutations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -27,11 +30,44 @@ from json_paths import mutate  # noqa: E402
 from json_paths import paths as json_paths  # noqa: E402
 
 with atheris.instrument_imports():
+    from runner.app.cli import render_manifest
     from runner.bundle import MANIFEST_NAME, Manifest, verify_bundle
-    from runner.errors import BundleError
+    from runner.errors import BundleError, RunnerError
+    from runner.families import family_for
+    from runner.runtime.program import check_compatible
 
-_VALUES = [None, True, 0, -1, 1, 2**63, 1.5, float("inf"), "", "x", "../x.so", "/abs.so", "a\\b", [], {}, [1], {"a": 1},
-           {"min": 1, "max": 0}, {"name": "x", "dtype": "float32", "shape": [1]}]  # fmt: skip
+_VALUES = [
+    None,
+    True,
+    0,
+    -1,
+    1,
+    2**63,
+    2**70,
+    1.5,
+    float("inf"),
+    float("nan"),
+    "",
+    "x",
+    "1024",
+    "float8",
+    "cuda",
+    "text_decoder.so",
+    "tekken.json",
+    "../x.so",
+    "/abs.so",
+    "a\\b",
+    "lib/x.so",
+    [],
+    {},
+    [1],
+    ["x"],
+    {"a": 1},
+    {"min": 1, "max": 0},
+    {"min": 0, "max": 2**70},
+    {"name": "x", "dtype": "float32", "shape": [1]},
+    {"text": {}, "audio": {}},
+]  # fmt: skip  (field types: every JSON type, and values of the right type but wrong)
 
 
 def mutate_json(data: bytes, max_size: int, seed: int) -> bytes:
@@ -68,9 +104,19 @@ class Target:
         if self.copy is not None:
             (self.copy / MANIFEST_NAME).write_bytes(data)
             try:
-                verify_bundle(self.copy, check_digests=False)
-            except BundleError:
+                manifest = verify_bundle(self.copy, check_digests=False)
+                consume(self.copy, manifest)
+            except RunnerError:
                 pass
+
+
+def consume(bundle: Path, manifest) -> None:
+    """What reads a verified manifest before any dlopen: the compatibility check, the family (its tokenizer), and
+    `inspect`'s rendering. A field of a wrong type must be a RunnerError here too, not a TypeError."""
+    check_compatible(manifest, bundle, manifest.device)
+    family_for(bundle, manifest.model)
+    with contextlib.redirect_stdout(io.StringIO()):
+        render_manifest(manifest, bundle, verified=False)
 
 
 def main() -> None:

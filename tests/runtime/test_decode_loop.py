@@ -126,9 +126,10 @@ def test_empty_prompt_is_an_error():
         runner.generate([], GenerationOptions())
 
 
-def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_bundle):
-    """The runner prefills the whole prompt in one decoder call; the seed prefilled each segment in turn. Same
-    last logits, and the same next step (so the same KV cache), on the real tiny bundle."""
+def test_one_call_prefill_gives_the_logits_and_cache_of_position_by_position(tiny_bundle):
+    """The runner prefills the whole prompt in one decoder call into an empty cache (text_decoder attends to the
+    prompt only); the seed prefilled each segment in turn. Here every position goes through the step method, which
+    attends to the cache: same last logits, and the same next step (so the same KV cache), on the tiny bundle."""
     import numpy as np
 
     from runner.audio import SAMPLE_RATE
@@ -150,15 +151,27 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_segment_by_segment(tiny_
         whole = whole.clone()
 
         engine.reset()
-        pos = 0
+        pos, step = 0, program.methods["text_decoder_step"]
         for seg, x in zip(segments, stage(segments, "cpu", engine.max_audio_chunks)):
             embeds = (
                 engine.embed(x)
                 if isinstance(seg, TextSegment)
                 else engine.encode(to_encoder_dtype(engine.preprocess(x), engine.encoder_dtype))
             )
-            piecewise = engine.decode(embeds, torch.arange(pos, pos + embeds.shape[1]))
-            pos += embeds.shape[1]
+            for i in range(embeds.shape[1]):
+                piecewise = step(embeds[:, i : i + 1], torch.tensor([pos]))[0]
+                pos += 1
         assert pos == len(ids)
         torch.testing.assert_close(whole, piecewise, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(whole_next, engine.decode_token(torch.tensor([[5]]), pos), rtol=1e-4, atol=1e-5)
+
+
+def test_the_default_cap_is_128_tokens_or_four_a_second_of_the_prompts_audio():
+    from runner.runtime.generate import answer_room
+
+    # text only (no audio): 128; EOS ignored so the cap is what stops it
+    _, result = generate([1, 4], GenerationOptions(max_new_tokens=None, min_new_tokens=1000), max_seq_len=4096)
+    assert (len(result.tokens), result.stop_reason) == (128, "max_new_tokens")
+    assert [answer_room(s) for s in (0, 4.4, 32, 600, 1800)] == [128, 128, 128, 2400, 7200]
+    with pytest.raises(GenerationError):
+        GenerationOptions(max_new_tokens=0)

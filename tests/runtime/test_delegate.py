@@ -119,13 +119,14 @@ def test_methods_interleaved_match_eager(tiny_bundle, tiny_eager):
         run(p, e, "audio_encoder", mel, what="on the preprocessor's mel")
         ids = e.ids(1, 5)
         emb = run(p, e, "token_embedding", ids)
-        run(p, e, "text_decoder", emb, torch.tensor([7]), what="decode at 7")
+        # the step method binds text_decoder's KV cache: it attends to the positions the prefill wrote
+        run(p, e, "text_decoder_step", emb, torch.tensor([7]), what="step at 7")
         run(p, e, "preprocessor", e.wave(2, 6), what="2 chunks")
         run(p, e, "token_embedding", e.ids(9, 7))
-        run(p, e, "text_decoder", e.embeds(3, 8), torch.arange(8, 11), what="3 more at 8..10")
-        # the step method binds text_decoder's KV cache: it attends to the 11 positions written above
-        run(p, e, "text_decoder_step", e.embeds(1, 9), torch.tensor([11]), what="step at 11")
-        run(p, e, "text_decoder", e.embeds(1, 10), torch.tensor([12]), what="and text_decoder sees the step's")
+        more = e.embeds(3, 8)
+        for i in range(3):
+            run(p, e, "text_decoder_step", more[:, i : i + 1], torch.tensor([8 + i]), what=f"step at {8 + i}")
+        run(p, e, "text_decoder_step", e.embeds(1, 10), torch.tensor([11]), what="and a step sees the steps'")
 
 
 def test_two_bundles_side_by_side(tiny_bundle, other_bundle, tiny_eager, other_eager):
@@ -145,7 +146,9 @@ def test_two_bundles_side_by_side(tiny_bundle, other_bundle, tiny_eager, other_e
                 assert out.shape == (1, k * TOKENS_PER_CHUNK, e.hidden)
             for e, p in ((b, pb), (a, pa)):
                 emb = run(p, e, "token_embedding", e.ids(4, 20 + step), what=f"step {step}")
-                logits = run(p, e, "text_decoder", emb, torch.arange(4 * step, 4 * step + 4), what=f"step {step}")
+                e.reset()  # text_decoder prefills into an empty cache
+                p.reset_state()
+                logits = run(p, e, "text_decoder", emb, torch.arange(4), what=f"step {step}")
                 assert logits.shape == (1, e.vocab)
 
 
@@ -280,6 +283,31 @@ def test_reexport_in_place_is_refused(tiny_bundle, tmp_path):
     lib.write_bytes(data + b"\0")  # a new build at the same path (trailing bytes do not matter to the loader)
     with pytest.raises(DelegateError, match="already loaded a different build from this path"):
         AOTIBackend().init(read_manifest(copy).methods["token_embedding"], copy, "cpu")
+
+
+def test_a_library_replaced_after_verification_is_refused_before_dlopen(tiny_bundle, tmp_path, monkeypatch):
+    """The bundle verifies, then a library changes before it is loaded (another export publishing into the
+    directory, a writer racing the load): the delegate hashes each library just before dlopen, and refuses one
+    that is no longer what the manifest pins, instead of running it beside another build's weights."""
+    import runner.runtime.program as program_module
+
+    copy = Path(shutil.copytree(tiny_bundle, tmp_path / "b"))
+    verify = program_module.verify_bundle
+
+    def verify_then_replace(*a, **k):
+        manifest = verify(*a, **k)
+        lib = copy / "audio_encoder.so"
+        data = bytearray(lib.read_bytes())
+        data[len(data) // 2] ^= 1
+        lib.unlink()
+        lib.write_bytes(bytes(data))
+        return manifest
+
+    monkeypatch.setattr(program_module, "verify_bundle", verify_then_replace)
+    with pytest.raises(DelegateError, match="no longer the library the manifest pins"):
+        Program.load(copy)
+    with open("/proc/self/maps") as f:
+        assert str(copy / "audio_encoder.so") not in f.read()
 
 
 # A fake AOTI library in C: every symbol the delegate requires, a container that counts its Delete calls
@@ -540,7 +568,7 @@ def test_weight_with_wrong_dtype_or_missing(tiny_bundle, tmp_path):
 
 
 def test_kv_state(tiny_program, tiny_eager):
-    e, dec = tiny_eager, tiny_program.methods["text_decoder"]
+    e, dec, one = tiny_eager, tiny_program.methods["text_decoder"], tiny_program.methods["text_decoder_step"]
     prompt, pos = e.embeds(7, 50), torch.arange(7)
     step, at7 = e.embeds(1, 51), torch.tensor([7])
     with torch.no_grad():
@@ -551,9 +579,9 @@ def test_kv_state(tiny_program, tiny_eager):
         assert torch.equal(first, again), "prefill after reset_state differs"
         rewritten = dec(prompt, pos)[0]  # no reset: positions 0..6 are overwritten with the same values
         assert torch.equal(first, rewritten), "a second prefill at the same positions differs"
-        warm = dec(step, at7)[0]  # attends to the 7 cached positions
+        warm = one(step, at7)[0]  # attends to the 7 cached positions
         tiny_program.reset_state()
-        cold = dec(step, at7)[0]  # attends to an empty (zero) cache
+        cold = one(step, at7)[0]  # attends to an empty (zero) cache
     assert (warm - cold).abs().max().item() > 1e-3 * warm.abs().max().item(), "the KV cache made no difference"
     e.reset()
     assert_close(first, e("text_decoder", prompt, pos), "prefill")
@@ -571,8 +599,8 @@ def test_kv_state_is_per_handle(tiny_bundle, tiny_eager):
         p1.methods["text_decoder"](e.embeds(7, 60), torch.arange(7))
         p2.methods["text_decoder"](e.embeds(7, 61), torch.arange(7))
         step = e.embeds(1, 62)
-        a = p1.methods["text_decoder"](step, torch.tensor([7]))[0]
-        b = p2.methods["text_decoder"](step, torch.tensor([7]))[0]
+        a = p1.methods["text_decoder_step"](step, torch.tensor([7]))[0]
+        b = p2.methods["text_decoder_step"](step, torch.tensor([7]))[0]
     e.reset()
     e("text_decoder", e.embeds(7, 60), torch.arange(7))
     assert_close(a, e("text_decoder", step, torch.tensor([7])), "program 1")

@@ -83,12 +83,11 @@ class Change:
 
     @property
     def regressed(self) -> bool:
-        return self.worse_pct > self.threshold
+        return not self.worse_pct <= self.threshold  # a NaN figure is no pass: every comparison with NaN is false
 
     def describe(self) -> str:
-        return (
-            f"{self.metric} {self.current:.4g} {self.unit} vs baseline {self.baseline:.4g} {self.unit} "
-            f"({self.worse_pct:+.1f}% worse)"
+        return f"{self.metric} {self.current:.4g} {self.unit} vs baseline {self.baseline:.4g} {self.unit} " + (
+            "(not a number: a broken measurement)" if math.isnan(self.worse_pct) else f"({self.worse_pct:+.1f}% worse)"
         )
 
 
@@ -101,10 +100,34 @@ def _medians(records: list[dict], backend: str) -> dict[str, tuple[float, dict]]
         extra = m.get("extra_info") or {}
         try:
             value = float(extra["median"]) if "median" in extra else statistics.median(m["benchmark_values"])
-        except (KeyError, ValueError, TypeError, statistics.StatisticsError):
-            continue
+        except (KeyError, ValueError, TypeError, OverflowError, statistics.StatisticsError):
+            value = math.nan  # a figure that is there but unreadable: never a pass (Change.regressed)
         out[m["name"]] = (value, extra)
     return out
+
+
+def check_records(records: list, path: Path) -> None:
+    """The fields the gate reads, each of its type: a malformed file is one error line naming it, not a
+    traceback, and not a figure silently left out (which would pass)."""
+
+    def bad(i: int, what: str) -> RunnerError:
+        return RunnerError(f"{path}: record {i}: {what}; not a benchmark file this runner wrote")
+
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise bad(i, "not an object")
+        for key in ("model", "metric", "benchmark"):
+            if not isinstance(r.get(key), dict):
+                raise bad(i, f"{key} is not an object")
+        m = r["metric"]
+        if not isinstance(m.get("name"), str):
+            raise bad(i, "metric.name is not a string")
+        for owner, where in ((m, "metric"), (r["benchmark"], "benchmark"), (r["model"], "model")):
+            if not isinstance(owner.get("extra_info", {}), dict):
+                raise bad(i, f"{where}.extra_info is not an object")
+        values = m.get("benchmark_values", [])
+        if not isinstance(values, list) or not all(_is_number(v) for v in values):
+            raise bad(i, "metric.benchmark_values is not a list of numbers")
 
 
 def compare(
@@ -117,10 +140,14 @@ def compare(
         if name not in base or not ({name, fig.group if fig else ""} & gate):
             continue
         old = base[name][0]
+        if not math.isfinite(old):
+            raise RunnerError(f"the baseline's {name} is {old}, not a number to compare with")
         if old <= 0:
             continue
         better = extra.get("better", fig.better if fig else "lower")
         worse = (value / old - 1) * 100 if better == "lower" else (1 - value / old) * 100
+        if not math.isfinite(value):  # a broken measurement (NaN, or an infinite rate from no time): no pass
+            worse = math.nan
         limit = thresholds.limit(name) if thresholds is not None else math.inf
         changes.append(Change(name, extra.get("unit", ""), value, old, worse, limit))
     return changes
@@ -194,7 +221,9 @@ class GateResult:
             name = f"{fig.label} ({c.unit})" if fig else f"{c.metric} ({c.unit})"
             delta = (c.current / c.baseline - 1) * 100
             how = (
-                "unchanged"
+                "not a number"
+                if math.isnan(c.worse_pct)
+                else "unchanged"
                 if abs(c.worse_pct) < 0.05
                 else f"{abs(c.worse_pct):.1f}% {'worse' if c.worse_pct > 0 else 'better'}"
             )
@@ -222,6 +251,7 @@ def evaluate(
 ) -> GateResult:
     """The gate: our figures in `gate` against the baseline's, each against its threshold; the regressions first
     (furthest past their threshold first), then the others in the table's order."""
+    check_records(baseline, path)
     check_baseline_matches(current, baseline, path)
     order = {k: i for i, k in enumerate(dict.fromkeys((*HEADLINE, *FIGURE)))}
 
@@ -230,5 +260,17 @@ def evaluate(
             (0, c.threshold - c.worse_pct, c.metric) if c.regressed else (1, order.get(c.metric, len(order)), c.metric)
         )
 
-    changes = sorted(compare(current, baseline, gate, thresholds), key=key)
+    try:
+        changes = sorted(compare(current, baseline, gate, thresholds), key=key)
+    except RunnerError as e:
+        raise RunnerError(f"{path}: {e}") from None
+    if not changes:  # a gate that compared nothing would pass anything
+        raise RunnerError(
+            f"{path}: the gate compared no figures: neither run has a figure of --gate {','.join(sorted(gate))} "
+            "the other has"
+        )
     return GateResult(path, frozenset(gate), thresholds, tuple(changes))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

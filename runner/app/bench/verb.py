@@ -118,6 +118,8 @@ def _parse_compare(text: str) -> list[str]:
 
 def _parse_gate(text: str) -> set[str]:
     gate = {g.strip() for g in text.split(",") if g.strip()}
+    if not gate:  # an empty gate checks nothing and so passes anything
+        raise RunnerError(f"--gate {text!r}: name at least one figure or group ({', '.join(GROUPS)})")
     unknown = sorted(g for g in gate if g not in GROUPS and g not in FIGURE)
     if unknown:
         raise RunnerError(f"--gate {','.join(unknown)}: not a figure or group ({', '.join(GROUPS)})")
@@ -186,7 +188,8 @@ def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
     manifest = read_manifest(args.bundle)  # Program.load verifies every digest, timed
     family = manifest.model.get("family", "voxtral")
     if family != "voxtral":  # Whisper bundles: `run --json` stats (benchmarks/README-whisper.md)
-        raise RunnerError(f"{args.bundle}: bench times Voxtral bundles; this is a {family} bundle (use `run --json`)")
+        how = "`stream --bench`" if family == "voxtral-realtime" else "`run --json`"
+        raise RunnerError(f"{args.bundle}: bench times Voxtral bundles; this is a {family} bundle (use {how})")
     tok = Tekken.from_file(args.bundle / manifest.model["tokenizer"])
     plan = make_plan(args, manifest, tok)
     vocab = manifest.model["config"]["text"]["vocab_size"]

@@ -1,6 +1,8 @@
 """The Voxtral family at run time: Tekken, mistral-common's transcription prompt and the seed's chat prompt.
 The audio embeddings are decoder positions (`[AUDIO]` in prompt_ids); one prompt takes audio up to the bundle's
-exported chunk count."""
+exported chunk count (its capacity). Longer audio is transcribed in windows, each its own prompt, cut at the
+quietest point near each limit (runner/audio.py's window_bounds); a chat prompt needs all of its audio in one
+prompt, so for longer audio it is an error that names the export flags which take it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio, num_chunks
+from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, audio_windows, context_for, load_audio, num_chunks
 from runner.errors import AudioError, GenerationError
 from runner.families.voxtral.tokenizer import Tekken
 from runner.runtime.generate import AudioSegment, Prompt, TextSegment
@@ -29,7 +31,16 @@ SPECIAL_TOKENS = {
     "transcribe": "[TRANSCRIBE]",
 }
 
-__all__ = ["LANGUAGES", "NAME", "SPECIAL_TOKENS", "Tekken", "VoxtralFamily", "chat_prompt", "transcription_prompt"]
+__all__ = [
+    "LANGUAGES",
+    "NAME",
+    "SPECIAL_TOKENS",
+    "Tekken",
+    "VoxtralFamily",
+    "chat_prompt",
+    "transcription_prompt",
+    "transcription_windows",
+]
 
 
 def transcription_prompt(tok: Tekken, audio: np.ndarray, language: str | None) -> Prompt:
@@ -39,6 +50,12 @@ def transcription_prompt(tok: Tekken, audio: np.ndarray, language: str | None) -
     s = tok.special_id
     tail = [s("[/INST]")] + (tok.encode(f"lang:{language}") if language else []) + [s("[TRANSCRIBE]")]
     return [TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))), AudioSegment(audio), TextSegment(tuple(tail))]
+
+
+def transcription_windows(tok: Tekken, samples: np.ndarray, language: str | None, max_chunks: int) -> list[Prompt]:
+    """One transcription prompt per window of at most `max_chunks` chunks: the whole audio when it fits. Each
+    window's samples are a view into `samples`."""
+    return [transcription_prompt(tok, w, language) for w in audio_windows(samples, max_chunks)]
 
 
 def chat_prompt(tok: Tekken, audio: np.ndarray, prompt: str) -> Prompt:
@@ -65,12 +82,16 @@ class VoxtralFamily:
     def prompts(
         self, audio_path: str | os.PathLike, prompt: str | None, language: str | None, max_audio_chunks: int
     ) -> list[Prompt]:
-        samples = load_audio(audio_path)
+        samples = load_audio(audio_path)  # the one decode of the file: windows are views into it
+        if not prompt:
+            return transcription_windows(self.tokenizer, samples, language, max_audio_chunks)
         n = num_chunks(len(samples))
-        if n > max_audio_chunks:  # pad_to_chunks says so too, later, but without the file's name
+        if n > max_audio_chunks:
             raise AudioError(
-                f"{audio_path}: audio is {len(samples) / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s); "
-                f"this bundle takes at most {max_audio_chunks} chunks ({max_audio_chunks * CHUNK_LENGTH} s)"
+                f"{audio_path}: audio is {len(samples) / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s) and "
+                f"a --prompt needs all of it in one prompt; this bundle takes at most "
+                f"{max_audio_chunks * CHUNK_LENGTH} s (exported with --max-audio-chunks {max_audio_chunks}): export "
+                f"with --max-audio-chunks {n} (--max-seq-len {context_for(n)}, its default), or transcribe it without "
+                "--prompt (longer audio is transcribed in windows)"
             )
-        tok = self.tokenizer
-        return [chat_prompt(tok, samples, prompt) if prompt else transcription_prompt(tok, samples, language)]
+        return [chat_prompt(self.tokenizer, samples, prompt)]

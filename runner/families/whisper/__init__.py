@@ -2,16 +2,19 @@
 30 s window into the cross-attention K/V of every decoder layer, which the engine passes to every decoder call
 (`cross_attention`). Long audio is transcribed window by window: each window is its own prompt (reset the KV
 cache, encode, `<|startoftranscript|>[<|lang|><|transcribe|>]<|notimestamps|>`, decode to `<|endoftext|>`), and
-the runtime joins their text."""
+the runtime joins their text. The features are openai/whisper's `transcribe`'s: ONE log-mel over the whole
+recording (and 30 s of zeros), each window its 3000 frames (runner/runtime/features.py); the bundle's
+preprocessor takes the whole recording in one call, up to its manifest's `max_recording_chunks`."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from runner.audio import N_SAMPLES, load_audio
-from runner.errors import GenerationError
+from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio
+from runner.errors import AudioError, BundleError, GenerationError
 from runner.families.whisper.tokenizer import TOKENIZER_TYPE, WhisperTokenizer
+from runner.runtime.features import recording_chunks, window_count
 from runner.runtime.generate import AudioSegment, Prompt, TextSegment
 
 NAME = "whisper"
@@ -44,26 +47,41 @@ def whisper_prompt(tok: WhisperTokenizer, multilingual: bool, language: str | No
 
 
 def windows(samples, ids: tuple[int, ...]) -> list[Prompt]:
-    """One prompt per 30 s of audio: the window's samples, then the text prompt (silence: one window)."""
-    starts = range(0, max(len(samples), 1), N_SAMPLES)
-    return [[AudioSegment(samples[s : s + N_SAMPLES]), TextSegment(ids)] for s in starts]
+    """One prompt per 30 s window of the recording, as openai/whisper walks it without timestamps: window i
+    (its features cut from the whole recording's), then the text prompt. At least one window."""
+    return [[AudioSegment(samples, window=i), TextSegment(ids)] for i in range(window_count(len(samples)))]
 
 
 class WhisperFamily:
     cross_attention = True
     audio_id = None  # cross-attended: the audio takes no decoder positions
 
-    def __init__(self, tokenizer: WhisperTokenizer, multilingual: bool = False):
+    def __init__(
+        self, tokenizer: WhisperTokenizer, multilingual: bool = False, max_recording_chunks: int | None = None
+    ):
         self.tokenizer, self.multilingual = tokenizer, multilingual
+        self.max_recording_chunks = max_recording_chunks  # the preprocessor's bound; None: no bound (eager)
 
     @classmethod
     def from_bundle(cls, bundle_dir: Path, model: dict) -> WhisperFamily:
+        if "max_recording_chunks" not in model:  # its preprocessor takes one window: per-window features
+            raise BundleError(
+                f"{bundle_dir}: a Whisper bundle from before features over the whole recording; re-export it"
+            )
         vocab = model["config"]["text"]["vocab_size"]
-        return cls(WhisperTokenizer(Path(bundle_dir) / model["tokenizer"], vocab), bool(model.get("multilingual")))
+        tok = WhisperTokenizer(Path(bundle_dir) / model["tokenizer"], vocab)
+        return cls(tok, bool(model.get("multilingual")), int(model["max_recording_chunks"]))
 
     def prompts(
         self, audio_path: str | os.PathLike, prompt: str | None, language: str | None, max_audio_chunks: int
     ) -> list[Prompt]:
         if prompt:
             raise GenerationError("a Whisper bundle transcribes only; --prompt is not supported")
-        return windows(load_audio(audio_path), whisper_prompt(self.tokenizer, self.multilingual, language))
+        samples = load_audio(audio_path)
+        bound = self.max_recording_chunks
+        if bound is not None and recording_chunks(len(samples)) > bound:
+            raise AudioError(
+                f"{audio_path}: audio is {len(samples) / SAMPLE_RATE:.1f} s long; this bundle's preprocessor takes "
+                f"recordings up to {(bound - 1) * CHUNK_LENGTH} s"
+            )
+        return windows(samples, whisper_prompt(self.tokenizer, self.multilingual, language))

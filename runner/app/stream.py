@@ -1,0 +1,242 @@
+"""`python -m runner stream`: a Voxtral Realtime bundle over audio as it arrives.
+
+`--audio FILE` feeds the file in blocks (as fast as possible, or at wall-clock speed with `--realtime`);
+`--audio -` reads raw 16 kHz mono PCM from stdin (s16le unless `--pcm f32le`). Several `--audio` files are
+concurrent streams: fed in lockstep, one block each at a time, and stepped together in one batched call of each
+method (stream i in the bundle's state row i; more files than its `max_streams` slots wait for a free one). The
+end of a stream is flushed (right padding, as for a whole file), so its tokens equal a whole-file run's alone.
+One stream's text is printed as each token is decided, several streams' each as its stream ends. Stats (stderr, or
+the JSON record's `stats`): per-step latency p50/p99, how long after its audio arrived each token was decided, the
+model's own delay, and the real-time factor. On CUDA the step is replayed from CUDA graphs (`--no-cuda-graph`:
+method by method).
+
+The checks the e2e job relies on: `--expect-tokens GOLDEN` (every token equal to the golden file's, for this
+model on this device and dtype), `--check-whole` (each stream's tokens equal its file run alone, in one piece) and
+`--reference eager` (equal to the eager model's on the bundle's weights). Any failure: one `error:` line per
+failure and exit 1, after every file's record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from runner.app.options import add_runtime_flags
+
+BLOCK_MS = 80  # one text position of audio per read: what a live source would deliver
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", type=Path, required=True, help="a voxtral-realtime bundle directory")
+    p.add_argument(
+        "--audio", action="append", default=None, help="audio file (repeatable), or - for raw 16 kHz mono PCM on stdin"
+    )
+    p.add_argument("--pcm", choices=("s16le", "f32le"), default="s16le", help="sample format of --audio -")
+    p.add_argument("--realtime", action="store_true", help="feed a file at wall-clock speed (default: at once)")
+    p.add_argument("--block-ms", type=int, default=BLOCK_MS, help="milliseconds of audio per block fed")
+    p.add_argument(
+        "--reference", choices=("eager",), default=None, help="also run the eager model on the bundle's weights"
+    )
+    p.add_argument("--expect-tokens", type=Path, default=None, help="golden tokens JSON: fail on any difference")
+    p.add_argument(
+        "--check-whole", action="store_true", help="fail unless each stream's tokens equal its file run alone, at once"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON record per audio on stdout (text goes to stderr)")
+    add_runtime_flags(p)
+    g = p.add_argument_group("benchmark (runner/app/stream_bench.py; synthetic audio, no --audio)")
+    g.add_argument("--bench", action="store_true", help="time the bundle's streaming instead of transcribing")
+    g.add_argument("--bench-seconds", type=float, default=20.0, help="audio of the batch-1 step timing")
+    g.add_argument("--bench-batches", default=None, help="batch sizes, a comma list (default 1, 2, 4 .. max_streams)")
+    g.add_argument("--bench-steps", type=int, default=50, help="steps timed per batch size (and per half)")
+    g.add_argument("--latency-seconds", type=float, default=10.0, help="audio fed in real time per latency run")
+    g.add_argument("--long-minutes", type=float, default=12.0, help="the long stream's audio (memory growth)")
+    g.add_argument("--long-limit-s", type=float, default=300.0, help="wall-clock cap of the long stream")
+    g.add_argument("--bench-json", type=Path, default=None, help="write the benchmark's results here (JSON)")
+
+
+def _blocks(args, source: str, block: int):
+    """Float32 sample blocks of the source; a file is paced to wall-clock time with --realtime."""
+    import numpy as np
+
+    from runner.audio import SAMPLE_RATE, load_audio
+
+    if source == "-":
+        dtype, width = (np.int16, 2) if args.pcm == "s16le" else (np.float32, 4)
+        stdin, tail = sys.stdin.buffer, b""
+        while chunk := stdin.read(block * width):
+            data, tail = tail + chunk, b""
+            cut = len(data) - len(data) % width  # a sample split across reads waits for its other bytes
+            data, tail = data[:cut], data[cut:]
+            x = np.frombuffer(data, dtype="<i2" if dtype is np.int16 else "<f4")
+            yield (x.astype(np.float32) / 32768.0) if dtype is np.int16 else x.astype(np.float32)
+        return
+    samples = load_audio(source)
+    t0 = time.perf_counter()
+    for i in range(0, len(samples), block):
+        if args.realtime:
+            time.sleep(max(0.0, t0 + i / SAMPLE_RATE - time.perf_counter()))
+        yield samples[i : i + block]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def stream_stats(session, spec, audio_seconds: float) -> dict:
+    t = session.times
+    compute = sum(t.compute_ms)
+    return {
+        "audio_seconds": round(audio_seconds, 3),
+        "steps": len(t.compute_ms),
+        "generated_tokens": len(session.tokens),
+        "step_ms_p50": round(_percentile(t.compute_ms, 50), 3),
+        "step_ms_p99": round(_percentile(t.compute_ms, 99), 3),
+        "token_lag_ms_p50": round(_percentile(t.lag_ms, 50), 3),
+        "token_lag_ms_p99": round(_percentile(t.lag_ms, 99), 3),
+        "model_delay_ms": spec.num_delay_tokens * spec.samples_per_token / 16.0,  # 16 samples per ms
+        "rtf": round(compute / 1e3 / audio_seconds, 4) if audio_seconds else 0.0,
+    }
+
+
+def first_difference(want: list[int], got: list[int]) -> int | None:
+    """The first index where the token lists differ (a shorter list differs where it ends), or None."""
+    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    return None if i == len(want) == len(got) else i
+
+
+def main(args: argparse.Namespace) -> int:
+    from runner.audio import SAMPLE_RATE
+    from runner.errors import RunnerError
+    from runner.families import family_for
+    from runner.families.voxtral_realtime import Stream, StreamBatch, program_steps, run_fed
+    from runner.runtime.program import Program
+
+    if args.bench:
+        if args.audio:
+            raise RunnerError("--bench streams synthetic audio: give no --audio")
+        return _bench(args)
+    if not args.audio:
+        raise RunnerError("--audio FILE (or -) is required, unless --bench")
+    if args.block_ms < 1:
+        raise RunnerError(f"--block-ms {args.block_ms}: at least 1")
+    if "-" in args.audio and len(args.audio) > 1:
+        raise RunnerError("--audio -: stdin is one stream; give it alone")
+    if "-" in args.audio and (args.check_whole or args.reference):
+        raise RunnerError("--check-whole and --reference need audio files, not stdin")
+    out = sys.stderr if args.json else sys.stdout
+    with Program.load(args.bundle, options=args.runtime) as program:
+        model = program.manifest.model
+        _check_family(args.bundle, model)
+        family = family_for(args.bundle, model)
+        spec, tok = family.spec, family.tokenizer
+        golden = None
+        if args.expect_tokens is not None:
+            from runner.app.run import _read_golden
+
+            golden = _read_golden(args.expect_tokens, program)
+        steps = program_steps(program, args.runtime, spec.window)
+        block = max(1, args.block_ms * SAMPLE_RATE // 1000)
+        texts = [family.decoder() for _ in args.audio]
+        live_text = len(args.audio) == 1  # one stream's text as it comes; several: each file's when it ends
+
+        def on_token(i: int):
+            def write(token: int) -> None:
+                if live_text and token < tok.vocab_size:
+                    out.write(texts[i].feed(token))
+                    out.flush()
+
+            return write
+
+        streams = [Stream(spec, on_token(i)) for i in range(len(args.audio))]
+        records: list[dict] = [{} for _ in args.audio]
+
+        def done(i: int) -> None:
+            s = streams[i]
+            text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
+            out.write((texts[i].flush() if live_text else f"{args.audio[i]}: {text}") + "\n")
+            out.flush()
+            records[i] = {"audio": args.audio[i], "text": text, "tokens": s.tokens}
+            records[i]["stats"] = stream_stats(s, spec, s.received / SAMPLE_RATE)
+
+        steps.reset()
+        sources = [(s, _blocks(args, src, block)) for s, src in zip(streams, args.audio)]
+        run_fed(StreamBatch(steps, spec), sources, on_done=done)
+        failures = check_streams(args, program, steps, spec, records, golden)
+    for rec in records:
+        if args.json:
+            print(json.dumps(rec), flush=True)
+        else:
+            st = rec["stats"]
+            print(
+                f"{rec['audio']}: steps {st['steps']}  step p50 {st['step_ms_p50']:.2f} ms  p99 "
+                f"{st['step_ms_p99']:.2f} ms  token lag p50 {st['token_lag_ms_p50']:.2f} ms  p99 "
+                f"{st['token_lag_ms_p99']:.2f} ms  model delay {st['model_delay_ms']:.0f} ms  RTF {st['rtf']:.3f}",
+                file=sys.stderr,
+            )
+    if failures:
+        for f in failures[:-1]:
+            print(f"error: {f}", file=sys.stderr)
+        raise RunnerError(failures[-1])
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from runner.app import stream_bench
+    from runner.families import family_for
+    from runner.runtime.program import Program
+
+    with Program.load(args.bundle, options=args.runtime) as program:
+        _check_family(args.bundle, program.manifest.model)
+        return stream_bench.main(args, program, family_for(args.bundle, program.manifest.model))
+
+
+def _check_family(bundle: Path, model: dict) -> None:
+    from runner.errors import RunnerError
+    from runner.families.voxtral_realtime import NAME
+
+    if model.get("family") != NAME:
+        raise RunnerError(f"{bundle}: a {model.get('family', 'voxtral')} bundle; `stream` takes {NAME} bundles")
+
+
+def check_streams(args, program, steps, spec, records: list[dict], golden: dict | None) -> list[str]:
+    """--expect-tokens, --check-whole, --reference eager on every record (its `checks`); the failures."""
+    from runner.audio import load_audio
+    from runner.families.voxtral_realtime import run_whole
+
+    eager = None
+    if args.reference == "eager":
+        from runner.reference.voxtral_realtime import eager_steps
+
+        eager = eager_steps(args.bundle, program.manifest)
+    failures: list[str] = []
+    for rec in records:
+        source, tokens, checks = rec["audio"], rec["tokens"], {}
+        if golden is not None:
+            want = golden.get(Path(source).name)
+            if want is None:
+                checks["golden"] = "none for this file"
+                failures.append(f"{args.expect_tokens}: no golden tokens for {Path(source).name}")
+            elif (i := first_difference(want, tokens)) is not None:
+                checks["golden"] = f"differs at token {i}"
+                failures.append(f"{source}: tokens differ from {args.expect_tokens.name} at index {i}")
+            else:
+                checks["golden"] = "match"
+        samples = load_audio(source) if args.check_whole or eager is not None else None
+        for name, other in (("whole", steps if args.check_whole else None), ("eager", eager)):
+            if other is None:
+                continue
+            i = first_difference(run_whole(other, spec, samples), tokens)
+            checks[name] = "match" if i is None else f"differs at token {i}"
+            if i is not None:
+                what = "the whole file run alone" if name == "whole" else "the eager model"
+                failures.append(f"{source}: streamed tokens differ from {what} at index {i}")
+        if checks:
+            rec["checks"] = checks
+            print(f"{source}: " + ", ".join(f"{k} {v}" for k, v in checks.items()), file=sys.stderr)
+    return failures

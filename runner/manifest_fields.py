@@ -1,0 +1,169 @@
+"""The manifest's fields by type and range, checked when it is read (runner/bundle.py): a field of the wrong type
+or a missing one is a one-line BundleError naming the field, never a TypeError deep in the runtime or `inspect`.
+
+Only the fields the runner reads are checked; others (a family's own, a newer exporter's) pass untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class FieldError(ValueError):
+    """A manifest field of the wrong type, out of range or missing; the message names it (`model.max_seq_len`)."""
+
+
+TENSOR_DTYPES = frozenset(
+    {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+)
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+# model fields: the runtime and `inspect` read these; a bundle of any family has them, and those of the families
+# that prompt with whole 30 s chunks (the default family: voxtral) also the chunk fields
+_MODEL_REQUIRED = ("config", "max_seq_len", "tokenizer", "special_tokens")
+_CHUNKED = ("max_audio_chunks", "tokens_per_chunk")
+FAMILY_REQUIRED = {"voxtral": _CHUNKED, "whisper": _CHUNKED}
+_POSITIVE = ("max_seq_len", "max_audio_chunks", "n_mels", "max_recording_chunks")
+_FLAGS = ("pdl", "multilingual")
+_NAMES = ("family", "tokenizer_type")
+# config.text / config.audio: the sizes `inspect` shows (required) and the others (checked when present)
+_CONFIG_REQUIRED = {"text": ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), "audio": ("dim", "n_layers")}
+_CONFIG_SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "n_mels",
+                 "max_source_positions", "max_target_positions")  # fmt: skip
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def is_int(v: Any, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def need(ok: bool, where: str, value: Any, what: str) -> None:
+    if not ok:
+        raise FieldError(f"{where} is {_show(value)}, expected {what}")
+
+
+def _get(d: dict, key: str, where: str) -> Any:
+    if key not in d:
+        raise FieldError(f"{where}.{key} is missing" if where else f"{key} is missing")
+    return d[key]
+
+
+def check_top(d: dict) -> None:
+    """The manifest's own fields (format and version are checked before this)."""
+    need(isinstance(_get(d, "torch_version", ""), str) and d["torch_version"], "torch_version", d["torch_version"],
+         "a torch version string")  # fmt: skip
+    need(_get(d, "device", "") in DEVICES, "device", d["device"], " or ".join(DEVICES))
+    need(d.get("gpu_arch") is None or isinstance(d["gpu_arch"], str), "gpu_arch", d.get("gpu_arch"), "null or 'sm_NN'")
+    need(_get(d, "dtype", "") in MODEL_DTYPES, "dtype", d["dtype"], " or ".join(MODEL_DTYPES))
+    need(isinstance(d.get("created_by", ""), str), "created_by", d.get("created_by"), "a string")
+    need(isinstance(_get(d, "methods", ""), dict), "methods", d["methods"], "an object of method name -> method")
+    need(isinstance(_get(d, "files", ""), dict), "files", d["files"], "an object of file name -> size and sha256")
+    check_model(_get(d, "model", ""))
+
+
+def check_model(m: Any) -> None:
+    need(isinstance(m, dict), "model", m, "an object")
+    for key in _NAMES:
+        if key in m:
+            need(isinstance(m[key], str), f"model.{key}", m[key], "a string")
+    for key in (*_MODEL_REQUIRED, *FAMILY_REQUIRED.get(m.get("family", "voxtral"), ())):
+        _get(m, key, "model")
+    for key in _POSITIVE:
+        if key in m:
+            need(is_int(m[key], 1), f"model.{key}", m[key], "a whole number >= 1")
+    if "tokens_per_chunk" in m:
+        need(is_int(m["tokens_per_chunk"]), "model.tokens_per_chunk", m["tokens_per_chunk"], "a whole number >= 0")
+    need(isinstance(m["tokenizer"], str) and m["tokenizer"], "model.tokenizer", m["tokenizer"], "a file name")
+    for key in _FLAGS:
+        if key in m:
+            need(isinstance(m[key], bool), f"model.{key}", m[key], "true or false")
+    tokens = m["special_tokens"]
+    need(isinstance(tokens, dict), "model.special_tokens", tokens, "an object of name -> token id")
+    for name, tid in tokens.items():
+        need(is_int(tid), f"model.special_tokens.{name}", tid, "a token id >= 0")
+    if "source" in m:
+        src = m["source"]
+        need(isinstance(src, dict), "model.source", src, "an object")
+        for key in ("kind", "name", "weights_digest"):
+            if src.get(key) is not None:
+                need(isinstance(src[key], str), f"model.source.{key}", src[key], "a string")
+    for key in ("compile_seconds", "compile_cached"):
+        if key in m:
+            need(isinstance(m[key], dict), f"model.{key}", m[key], "an object of method name -> value")
+    _check_record(m, "capacity", _CAPACITY, required=("audio_seconds", "audio_positions"))
+    if m.get("quant"):  # null or {}: unquantised
+        _check_record(m, "quant", _QUANT, required=tuple(_QUANT))
+    _check_config(m["config"])
+
+
+# records other parts of the runner write and read (runtime capacity, `inspect`, the eager reference): the fields
+# they read, by type; a record's other fields pass
+_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number")
+_CAPACITY = {"audio_seconds": _INT, "audio_positions": _INT, "answer_positions": _INT}
+_QUANT = {
+    "scheme": (lambda v: isinstance(v, str), "a string"),
+    "group_size": (lambda v: is_int(v, 1), "a whole number >= 1"),
+    "symmetric": (lambda v: isinstance(v, bool), "true or false"),
+    "scale_dtype": (lambda v: v in TENSOR_DTYPES, "a dtype name"),
+    "modules": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
+    "n_linear": (lambda v: is_int(v), "a whole number >= 0"),
+}
+
+
+def _check_record(m: dict, key: str, fields: dict, required: tuple[str, ...]) -> None:
+    if key not in m:
+        return
+    r = m[key]
+    need(isinstance(r, dict), f"model.{key}", r, "an object")
+    for name in required:
+        _get(r, name, f"model.{key}")
+    for name, (ok, what) in fields.items():
+        if name in r:
+            need(ok(r[name]), f"model.{key}.{name}", r[name], what)
+
+
+def _check_config(c: Any) -> None:
+    need(isinstance(c, dict), "model.config", c, "an object with text and audio")
+    for tower, required in _CONFIG_REQUIRED.items():
+        t = _get(c, tower, "model.config")
+        need(isinstance(t, dict), f"model.config.{tower}", t, "an object")
+        for key in required:
+            _get(t, key, f"model.config.{tower}")
+        for key in _CONFIG_SIZES:
+            if key in t:
+                need(is_int(t[key], 1), f"model.config.{tower}.{key}", t[key], "a whole number >= 1")
+        for key in ("rope_theta", "norm_eps"):
+            if key in t:
+                v = t[key]
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                need(ok, f"model.config.{tower}.{key}", v, "a finite number > 0")
+
+
+def check_dtype(where: str, v: Any) -> str:
+    need(v in TENSOR_DTYPES, where, v, f"a dtype ({', '.join(sorted(TENSOR_DTYPES))})")
+    return v
+
+
+def check_shape(where: str, shape: Any, dynamic: bool = True) -> list:
+    """A list of dims: a whole number >= 0, or (`dynamic`) {"min": a, "max": b[, "multiple": m]} with a <= b."""
+    need(isinstance(shape, list), where, shape, "a list of dimensions")
+    for i, d in enumerate(shape):
+        at = f"{where}[{i}]"
+        if is_int(d):
+            continue
+        need(dynamic and isinstance(d, dict), at, d, "a whole number >= 0" + (" or {min, max}" if dynamic else ""))
+        lo, hi, mult = d.get("min"), d.get("max"), d.get("multiple", 1)
+        need(is_int(lo) and is_int(hi) and lo <= hi and is_int(mult, 1), at, d,
+             "{min, max[, multiple]}: whole numbers, min <= max, multiple >= 1")  # fmt: skip
+    return list(shape)
+
+
+def check_name(where: str, v: Any) -> str:
+    need(isinstance(v, str) and v != "", where, v, "a non-empty string")
+    return v

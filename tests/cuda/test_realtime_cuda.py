@@ -1,0 +1,66 @@
+"""The streaming bundle on CUDA: the whole step replayed from CUDA graphs (one per batch size, captured before any
+stream) gives the tokens of the method calls, of the eager model and of each file alone, for streams batched with
+a padding row; and `stream --bench` runs on it. Skipped without a GPU (CI has none): `CUDA_TESTS=
+tests/cuda/test_realtime_cuda.py bash benchmarks/h200.sh tests` runs it on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import AUDIO, CACHE
+
+from runner.audio import load_audio
+from runner.export.pipeline import ExportOptions
+from runner.export.voxtral_realtime import export_voxtral_realtime, start
+from runner.families import family_for
+from runner.families.voxtral_realtime import GraphSteps, ProgramSteps, run_together, run_whole
+from runner.reference.voxtral_realtime import eager_steps
+from runner.runtime.program import Program
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FILES = ("speech.wav", "short.wav", "silence.wav")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    _, model, source, tekken = start("tiny-realtime", None, random_init=False, seed=0, dtype="fp32", device="cuda")
+    out = tmp_path_factory.mktemp("rt-cuda") / "tiny-realtime"
+    export_voxtral_realtime(
+        model, source, tekken, out, ExportOptions(device="cuda", dtype="fp32", cache_dir=CACHE, max_streams=4)
+    )
+    return out
+
+
+def test_graphed_steps_equal_method_calls_eager_and_each_file_alone(bundle):
+    files = [load_audio(AUDIO / n) for n in FILES]
+    with Program.load(bundle) as program:
+        spec = family_for(bundle, program.manifest.model).spec
+        graphed = GraphSteps(program, spec.window)
+        assert list(graphed.graphs) == [1, 2, 4] and graphed.batch_for(3) == 4  # 3 streams: one padding row
+        together = run_together(graphed, spec, files, block=777)
+        assert together == run_together(ProgramSteps(program), spec, files, block=777)
+        assert together == [run_whole(graphed, spec, f) for f in files]
+        eager = eager_steps(bundle, program.manifest)
+        assert together == [run_whole(eager, spec, f) for f in files]
+    assert len(set(together[0])) > 3
+
+
+def test_stream_bench_runs_on_graphs_and_memory_stays_flat(bundle, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--bench-seconds", "2", "--bench-steps", "10", "--latency-seconds", "1", "--long-minutes", "1.5"]
+    p = subprocess.run(
+        [sys.executable, "-m", "runner", "stream", "--bench", "--bundle", str(bundle), *args, "--bench-json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["cuda_graphs"] and [b["batch"] for b in r["batches"]] == [1, 2, 4]
+    assert r["long_stream"]["minutes"] >= 1.5 and r["long_stream"]["growth_mib"]["allocated_mib"] == 0
+    assert "| decode at batch 1 (tokens/s) |" in p.stdout

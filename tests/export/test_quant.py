@@ -1,0 +1,182 @@
+"""Weight-only int4 (`--quant int4`): packing, quantisation, the QuantLinear module against its dequantised
+reference, which layers a family quantises, how the eager reference rebuilds them, and the options and inspect
+line. The kernels are in test_quant_kernels.py, a whole bundle in test_quant_bundle.py."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.app.cli import quant_line
+from runner.errors import ExportError
+from runner.export.pipeline import ExportOptions, cache_key
+from runner.export.quant import GROUP_SIZE, LEVELS, PATTERNS, apply_quant, pack, quantize, quantize_linear
+from runner.models.quant_linear import QuantLinear, dequantize, group_for, unpack, use_quant_layout
+from runner.models.state import load_state
+from runner.models.voxtral import Voxtral
+from runner.models.voxtral_config import preset
+from runner.models.whisper import Whisper, WhisperConfig
+
+
+def codes(n, k, seed=0):
+    return torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("group", [8, 16, 64, 128])
+def test_pack_unpack_round_trip(group):
+    q = codes(5, 256)
+    q[0, :16] = 15  # the top nibble set: words that are negative as int32
+    packed = pack(q, group)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 256 // 8)
+    assert (packed < 0).any()
+    assert torch.equal(unpack(packed, group), q)
+
+
+def test_planes_layout_word_j_nibble_i_is_column_i_times_words_plus_j():
+    """The layout the kernels rely on (quant_linear's docstring): within a group of G columns, nibble i of word j
+    holds column i * G/8 + j."""
+    group, q = 32, torch.zeros(1, 64, dtype=torch.int32)
+    q[0, 32 + 3 * 4 + 1] = 9  # group 1, plane 3, word 1
+    words = pack(q, group)[0]
+    assert words.tolist() == [0] * 4 + [0, 9 << 12, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "k,want", [(3072, 128), (4096, 128), (8192, 128), (384, 128), (1536, 128), (64, 64), (96, 32), (40, 8)]
+)
+def test_group_size_is_128_or_the_largest_power_of_two_dividing_the_width(k, want):
+    assert group_for(k, GROUP_SIZE) == want
+
+
+def test_a_width_no_group_divides_is_refused():
+    with pytest.raises(ValueError, match="no power-of-two group"):
+        group_for(12, GROUP_SIZE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_keeps_every_weight_within_half_a_step(dtype):
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(24, 384, generator=g) * 0.05).to(dtype)
+    w[3, :128] = 0.25  # a constant group: one value, no spread
+    q, scales, offsets = quantize(w, 128, dtype)
+    assert q.min() >= 0 and q.max() <= LEVELS and scales.dtype == offsets.dtype == dtype
+    rec = dequantize(pack(q, 128), scales, offsets, torch.float32)
+    step = scales.float().repeat_interleave(128, dim=1)
+    # rounding to the nearest code, against the stored (rounded) scale and offset: half a step, and the offset's
+    # own rounding at the group's ends
+    slack = 0.5 * step + 2 * torch.finfo(dtype).eps * w.float().abs()
+    assert ((rec - w.float()).abs() <= slack).all()
+    assert torch.equal(rec[3, :128], torch.full((128,), w[3, 0].float().item()))
+
+
+def test_every_code_is_used_by_a_group_spanning_its_range():
+    w = torch.linspace(-1, 1, 128).repeat(2, 1)
+    q, _, _ = quantize(w, 128, torch.float32)
+    assert set(q[0].tolist()) == set(range(16))  # min-max: the 16 codes cover [min, max]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_quant_linear_equals_linear_with_the_dequantised_weight(bias):
+    """QuantLinear's torch path is F.linear over its dequantised weight: against float64, exact up to float32
+    rounding (the CPU methods and the CUDA prefill compute this)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 48, bias=bias)
+    if bias:
+        nn.init.normal_(lin.bias)
+    ql = quantize_linear(lin)
+    x = torch.randn(3, 7, 256)
+    want = F.linear(x.double(), ql.dequantize(torch.float64), None if lin.bias is None else lin.bias.double())
+    got = ql(x)
+    assert got.dtype == torch.float32 and got.shape == (3, 7, 48)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (ql.dequantize(torch.float32) - lin.weight).abs().max() <= ql.scales.max() / 2 + 1e-6
+
+
+def test_voxtral_int4_replaces_the_decoder_linears_and_lm_head_only():
+    m = Voxtral(preset("tiny")).init_weights(0)
+    ref = copy.deepcopy(m)
+    record = apply_quant(m, "voxtral", "int4")
+    quantised = {n for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
+    layers = m.config.text.n_layers
+    assert len(quantised) == record["n_linear"] == 4 * layers + 1
+    assert "language_model.lm_head" in quantised
+    assert all(n.startswith("language_model.model.layers.") for n in quantised - {"language_model.lm_head"})
+    # the embedding, audio tower and projector are untouched, bit for bit
+    for name, p in ref.named_parameters():
+        if name.startswith(("audio_tower.", "multi_modal_projector.", "language_model.model.embed_tokens")):
+            assert torch.equal(dict(m.named_parameters())[name], p), name
+    assert record == {
+        "scheme": "int4",
+        "group_size": GROUP_SIZE,
+        "symmetric": False,
+        "scale_dtype": "float32",
+        "modules": PATTERNS["voxtral"],
+        "n_linear": 4 * layers + 1,
+    }
+    assert apply_quant(Voxtral(preset("tiny")), "voxtral", "none") is None
+
+
+def test_whisper_int4_leaves_the_cross_kv_projections_and_the_tied_output_alone():
+    m = Whisper(WhisperConfig()).init_weights(0)
+    apply_quant(m, "whisper", "int4")
+    quantised = {n.split(".", 3)[-1] for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
+    assert quantised == {
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
+        "encoder_attn.q_proj", "encoder_attn.out_proj", "fc1", "fc2",
+    }  # fmt: skip
+    assert isinstance(m.decoder.layers[0].encoder_attn.k_proj, nn.Linear)  # run by the audio encoder
+    assert not any(isinstance(mod, QuantLinear) for mod in m.encoder.modules())
+    assert isinstance(m.decoder.embed_tokens, nn.Embedding)  # the tied output projection
+
+
+def test_the_eager_reference_rebuilds_the_layout_from_the_record():
+    """What reference/voxtral.py does with a bundle: a model built on the meta device, the record's modules made
+    QuantLinear, then the bundle's state assigned; it computes what the exported model's eager twin computes."""
+    m = Voxtral(preset("tiny")).init_weights(0)
+    record = apply_quant(m, "voxtral", "int4")
+    m.setup_caches(32)
+    with torch.device("meta"):
+        rebuilt = Voxtral(m.config)
+    use_quant_layout(rebuilt, record["modules"], record["group_size"])
+    load_state(rebuilt, {k: v.clone() for k, v in m.state_dict().items()}, source="test", assign=True)
+    rebuilt.setup_caches(32)
+    e = torch.randn(1, 5, m.config.text.dim)
+    with torch.no_grad():
+        assert torch.equal(rebuilt.decoder()(e, torch.arange(5)), m.decoder()(e, torch.arange(5)))
+
+
+def test_whisper_reference_load_keeps_the_codes_exact():
+    """load_state without `assign` converts floats to float32 first; the int32 codes must not pass through a float
+    (2^31 does not fit float32's mantissa)."""
+    m = Whisper(WhisperConfig()).init_weights(0)
+    record = apply_quant(m, "whisper", "int4")
+    fresh = Whisper(WhisperConfig())
+    use_quant_layout(fresh, record["modules"], record["group_size"])
+    load_state(fresh, m.state_dict(), source="test")
+    for (name, a), b in zip(m.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_quant_option_is_checked_and_keys_the_compile_cache():
+    with pytest.raises(ExportError, match="--quant int8: choose from none, int4"):
+        ExportOptions(quant="int8")
+
+    class Source:
+        weights_digest = "w"
+
+    m = Voxtral(preset("tiny"))
+    plain = ExportOptions(max_seq_len=512, max_audio_chunks=1)
+    keys = {cache_key(m, Source(), o, "text_decoder", {}) for o in (plain, replace(plain, quant="int4"))}
+    assert len(keys) == 2
+
+
+def test_inspect_line_names_the_scheme():
+    record = apply_quant(Voxtral(preset("tiny")), "voxtral", "int4")
+    line = quant_line(record)
+    assert "int4 weight-only, groups of 128, asymmetric (scale + offset) in float32, 9 linear layers" in line
+    assert quant_line(None) == "weights: unquantised (the bundle's dtype)"

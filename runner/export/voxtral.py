@@ -75,7 +75,9 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
         ),
         MethodPlan(
             "text_decoder",
-            model.prefiller(),  # a prompt into an empty cache: it attends to itself only (causal)
+            # a prompt into an empty cache; on CPU it attends to itself only, on CUDA to the whole cache (torch 2.11
+            # CUDA refused the prompt-only shapes: benchmarks/NOTES.md item 32)
+            model.prefiller(prompt_only=dev.type != "cuda"),
             (emb(3), torch.arange(3, device=dev)),
             ({1: seq}, {0: seq}),
             method_spec(

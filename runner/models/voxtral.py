@@ -149,9 +149,10 @@ class Attention(nn.Module):
         cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
         if mask is None:
             # A prompt into an empty cache attends only to itself (causal over its positions), so the cost
-            # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq]. (SDPA's causal path
-            # would need no scores at all, but torch 2.11 CUDA cannot export it for a dynamic length either: an
-            # unprovable guard min(128*seq, 512*seq) == 128*seq.)
+            # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq]. torch 2.11 CUDA
+            # cannot export this for a dynamic length (unprovable guards: min(seq, 2*seq) == seq written out,
+            # min(128*seq, 512*seq) == 128*seq with SDPA), so a CUDA export passes the cache mask instead
+            # (TextDecoder.prompt_only); the answer is the same either way.
             mask = input_pos[None, :] <= input_pos[:, None]  # [S, S]
         else:
             k, v = cached_k, cached_v
@@ -256,7 +257,7 @@ class TextDecoder(nn.Module):
 
     def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False):
         super().__init__()
-        self.c, self.prefill = c, prefill
+        self.c, self.prefill = c, prefill  # prefill: a prompt from position 0 into an empty cache, prompt-only
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
@@ -305,9 +306,11 @@ class Voxtral(nn.Module):
     def decoder(self) -> TextDecoder:
         return TextDecoder(self.config.text, self.language_model)
 
-    def prefiller(self) -> TextDecoder:
-        """The decoder for a prompt into an empty cache (the exported text_decoder)."""
-        return TextDecoder(self.config.text, self.language_model, prefill=True)
+    def prefiller(self, prompt_only: bool = True) -> TextDecoder:
+        """The decoder for a prompt into an empty cache (the exported text_decoder). `prompt_only`: attend to the
+        prompt alone (the cost follows the prompt); off, attend to the whole (empty beyond it) cache, which is
+        what exports on torch 2.11 CUDA (Attention.forward says why)."""
+        return TextDecoder(self.config.text, self.language_model, prefill=prompt_only)
 
     def init_weights(self, seed: int) -> Voxtral:
         """Deterministic random init (normal(0, initializer_range), norms at one, biases zero), drawn per HF-layout

@@ -76,7 +76,8 @@ def _hf_layout(keys, expected: set[str]) -> tuple[tuple[str, str], ...]:
     return max(HF_LAYOUTS.values(), key=lambda pairs: len({_rename(k, pairs) for k in keys} & expected))
 
 
-def _hf_weight_files(ckpt: Path) -> list[Path]:
+def hf_weight_files(ckpt: Path) -> list[Path]:
+    """model.safetensors, or the shards its index names (never a pickle; Mistral's consolidated files left out)."""
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -89,13 +90,13 @@ def _hf_weight_files(ckpt: Path) -> list[Path]:
     return sorted(p for p in ckpt.glob("*.safetensors") if p not in consolidated)
 
 
-def _no_weights(ckpt: Path) -> ExportError:
+def no_weights(ckpt: Path) -> ExportError:
     bins = sorted(p.name for p in ckpt.glob("*.bin"))
     hint = f" (found {', '.join(bins)}: pickle checkpoints are not read; re-save with safetensors)" if bins else ""
     return ExportError(f"{ckpt}: no .safetensors weights{hint}")
 
 
-def _read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
+def read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
     """Every tensor of the files, and a digest of the files (not of the tensors)."""
     state: dict[str, torch.Tensor] = {}
     digest = hashlib.sha256()
@@ -114,7 +115,7 @@ def _read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
 
 def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str]:
     model = Voxtral(VoxtralConfig.from_hf_file(ckpt / "config.json"))
-    state, digest = _read_weights(files)
+    state, digest = read_weights(files)
     pairs = _hf_layout(state, set(model.to_hf_layout(model.state_dict())))
     renamed = {_rename(k, pairs): k for k in state}
     if len(renamed) < len(state):
@@ -139,7 +140,7 @@ def _load_mistral(ckpt: Path, files: list[Path], tekken: Path) -> tuple[Voxtral,
     except RunnerError as e:
         raise ExportError(f"{ckpt}/{e}" if str(e).startswith(mistral_format.PARAMS) else str(e)) from None
     model = Voxtral(config)
-    state, digest = _read_weights(files)
+    state, digest = read_weights(files)
     hf, names = mistral_format.to_hf_state(state, config)
     load_state(model, hf, source=str(ckpt), spell=lambda k: names.get(k) or mistral_format.mistral_name(k))
     return model, digest
@@ -154,7 +155,7 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     if not tekken.is_file():
         raise ExportError(f"{ckpt}: missing tekken.json")
     has_config, has_params = (ckpt / "config.json").is_file(), (ckpt / mistral_format.PARAMS).is_file()
-    hf_files = _hf_weight_files(ckpt) if has_config else []
+    hf_files = hf_weight_files(ckpt) if has_config else []
     mistral_files = sorted(ckpt.glob(mistral_format.WEIGHTS_GLOB)) if has_params else []
     if hf_files:
         model, digest = _load_hf(ckpt, hf_files)
@@ -163,7 +164,7 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     elif not has_config and not has_params:
         raise ExportError(f"{ckpt}: missing config.json (or Mistral's {mistral_format.PARAMS})")
     else:
-        raise _no_weights(ckpt)
+        raise no_weights(ckpt)
     source = ModelSource("checkpoint", ckpt.resolve().name, digest)
     return model.to(dtype).eval(), source, tekken
 

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.fx.experimental._config as fx_config
-from safetensors import safe_open
 
-from runner.bundle import StateSpec, sha256_file
+from runner.bundle import StateSpec
 from runner.errors import ExportError
-from runner.export.checkpoint import ModelSource
+from runner.export.checkpoint import ModelSource, hf_weight_files, no_weights, read_weights
 from runner.export.methods import MethodPlan, dtype_name, method_spec
 from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
 from runner.families.voxtral import Tekken
@@ -47,20 +46,6 @@ TINY_DIR = fixtures_dir() / "voxtral-realtime-tiny"  # config.json (HF layout) +
 OFFLINE_STREAMING_BUFFER_TOKENS = 10  # mistral-common's allowance for the longest word, in right padding
 
 
-def _weight_files(ckpt: Path) -> list[Path]:
-    """model.safetensors, or the shards its index names; never a pickle."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            return [ckpt / s for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ExportError(f"{index}: malformed index ({e})") from None
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
-        raise ExportError(f"{ckpt}: no .safetensors weights")
-    return files
-
-
 # save_pretrained writes the 4.x layout (`language_model.model.*`, `language_model.lm_head.*`: transformers'
 # qwen2_audio conversion mapping, reversed); in memory the keys are `model.*` and `lm_head.*`.
 _KEY_PREFIXES = (("model.", ""), ("language_model.model.", "language_model."), ("language_model.lm_head.", "lm_head."))
@@ -80,24 +65,18 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     if not (ckpt / "config.json").is_file():
         raise ExportError(f"{ckpt}: missing config.json")
     config = RealtimeConfig.from_hf_file(ckpt / "config.json")
-    state, digest = {}, hashlib.sha256()
-    for f in _weight_files(ckpt):
-        if not f.is_file():
-            raise ExportError(f"{f}: shard named in the index is missing")
-        digest.update(sha256_file(f).encode())
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    state[_normalise_key(k)] = sf.get_tensor(k)
-        except Exception as e:  # safetensors' own error types
-            raise ExportError(f"{f}: cannot read safetensors ({e})") from None
+    files = hf_weight_files(ckpt)
+    if not files:
+        raise no_weights(ckpt)
+    raw, digest = read_weights(files)
+    state = {_normalise_key(k): v for k, v in raw.items()}
     head = state.pop("lm_head.weight", None)
     emb = state.get("language_model.embed_tokens.weight")
     if head is not None and emb is not None and not torch.equal(head, emb):
         raise ExportError(f"{ckpt}: lm_head.weight differs from the embeddings it is tied to")
     model = VoxtralRealtime(config)
     load_state(model, state, source=str(ckpt))
-    return model.to(dtype).eval(), ModelSource("checkpoint", ckpt.resolve().name, digest.hexdigest())
+    return model.to(dtype).eval(), ModelSource("checkpoint", ckpt.resolve().name, digest)
 
 
 def random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> tuple[VoxtralRealtime, ModelSource]:

@@ -254,6 +254,7 @@ def fuzz(session: nox.Session) -> None:
     os.makedirs(out, exist_ok=True)
     session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
     for target, extra in (("manifest", [DEFAULT_BUNDLE]), ("audio", []), ("github", [])):
+        os.makedirs(f"{out}/corpus-{target}", exist_ok=True)  # libFuzzer refuses a corpus folder that is not there
         session.run(
             "python", f"tests/fuzz/fuzz_{target}.py", *extra, f"-max_total_time={seconds}", "-rss_limit_mb=4096",
             f"-artifact_prefix={out}/{target}-", f"{out}/corpus-{target}", *session.posargs,

@@ -10,6 +10,9 @@
 #   bench    the same-run comparison: ours and $COMPARE (default hf,hf-compile) -> bench_3b.{json,md,png,log}
 #   long     $LONG_SECONDS (default 600) of speech (the fixtures, repeated) through $BUNDLE in one prompt, beside
 #            $LONG_COMPARE (default hf-compile) -> bench_long.{json,md,log}
+#   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
+#   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
+#   int4     benchmarks/int4_kernels.py: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
 #   regen    the random-init bundle's weights drawn again into a copy without them: every digest must match;
 #            prints what the artifact weighs with and without its weights
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
@@ -45,6 +48,10 @@ T_KERNELS=${T_KERNELS:-540}
 T_WHISPER=${T_WHISPER:-540}
 T_SOAK=${T_SOAK:-540}
 T_REALTIME=${T_REALTIME:-480}
+T_EXPORT_INT4=${T_EXPORT_INT4:-300}
+T_BENCH_INT4=${T_BENCH_INT4:-200}
+T_INT4=${T_INT4:-300}
+BUNDLE_INT4=${BUNDLE_INT4:-artifacts/3b-int4}
 T_LONG=${T_LONG:-420}
 T_REGEN=${T_REGEN:-180}
 MIN_MODE_S=20  # a mode with less time than this left is skipped, not started
@@ -68,7 +75,7 @@ RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-sec
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench long regen ab profile kernels whisper soak realtime"
+MODES="setup tests export bench long regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -223,6 +230,41 @@ mode_regen() {
   NOTE="artifact $((with / 1000000)) MB with weights, $((without / 1000000)) MB without; regenerated: $([ $rc = 0 ] && echo 'every digest matches' || echo FAILED)"
   echo "  $NOTE"
   rm -rf "$copy"
+  return $rc
+}
+
+mode_export_int4() {
+  local rc extra
+  read -ra extra <<< "$EXPORT_ARGS"
+  run_for "$T_EXPORT_INT4" python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
+    --quant int4 "${extra[@]}" --out "$BUNDLE_INT4" > "$OUT/3b_int4_export.log" 2>&1
+  rc=$?
+  grep -E "compiled|error vs|^error" "$OUT/3b_int4_export.log" | head -20
+  if ((rc != 0)) || [ ! -f "$BUNDLE_INT4/model.pte" ]; then
+    tail -30 "$OUT/3b_int4_export.log"
+    NOTE="int4 export failed (rc $rc)"
+    return $((rc == 0 ? 1 : rc))
+  fi
+  NOTE=$(python3 -m runner inspect "$BUNDLE_INT4" | grep -A1 '^weights:' | paste -sd ' ')
+}
+
+mode_bench_int4() {
+  [ -f "$BUNDLE_INT4/model.pte" ] || { NOTE="no bundle at $BUNDLE_INT4"; return 1; }
+  local rc
+  run_for "$T_BENCH_INT4" python3 -m runner bench --bundle "$BUNDLE_INT4" "${BENCH_ARGS[@]}" --compare none \
+    --json "$OUT/bench_3b_int4.json" > "$OUT/bench_3b_int4.md" 2> "$OUT/bench_3b_int4.log"
+  rc=$?
+  cat "$OUT/bench_3b_int4.md"
+  NOTE=$([ -s "$OUT/bench_3b_int4.json" ] && figures "$OUT/bench_3b_int4.json" | paste -sd ';' || echo "no JSON (rc $rc)")
+  return $rc
+}
+
+mode_int4() {
+  (cd benchmarks && run_for "$T_INT4" python3 int4_kernels.py --parts check,gemv,step,agree --out "$OUT/int4.json" \
+    > "$OUT/int4.log" 2>&1)
+  local rc=$?
+  grep -E "^check|^gemv|^step|^agree" "$OUT/int4.log"
+  NOTE=$(grep "^step int4" "$OUT/int4.log")
   return $rc
 }
 
@@ -410,7 +452,7 @@ for m in "${todo[@]}"; do
 done
 
 # at most 8 files come back from $OUT: past that, pack them all and keep the headline ones beside the pack
-keep=(summary.md realtime.md realtime.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
+keep=(summary.md realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
   whisper_cuda_fp32_e2e.jsonl whisper_cuda_bf16_e2e.jsonl 3b_export.log env.txt)
 {
   echo "| mode | status | s | limit s | result |"

@@ -119,17 +119,39 @@ def max_streams(opts: ExportOptions) -> int:
     return n
 
 
+# The module each step was traced over (its state has max_streams slots): freed before the next trace.
+_TRACED: list[torch.nn.Module] = []
+
+
 def _release_previous_trace() -> None:
     """Free what the last method's compile still holds. torch.export keeps its last trace's nodes in a module-level
-    map until the next trace (torch 2.13: proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT); they hold the
-    compiled graph, and with it AOTInductor's copy of every buffer (compile_fx._unlift_graph clones them). At 4B
-    that is 2 x 55.8 GB for the decoder's 64 stream slots: it must be gone before the next state is allocated."""
+    map until the next trace (torch 2.13: proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT; torch 2.11 holds
+    them elsewhere); they hold the compiled graph, and with it AOTInductor's copy of every buffer (compile_fx.
+    _unlift_graph clones them into the graph module's meta, `NAME__original__`) and the exported program's state
+    dict (our state). At 4B that is 2 x 55.8 GB for the decoder's 64 stream slots, and it must be gone before the
+    next state is allocated: measured on torch 2.11, clearing the map alone left it held (CUDA OOM compiling
+    encoder_step). So the memory is released whoever still holds the tensors: the storages of our traced state
+    and of every such clone are shrunk to nothing (the compile that used them is over)."""
     from torch.fx.experimental import proxy_tensor
 
     getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+    while _TRACED:
+        state = getattr(_TRACED.pop(), "state", None)  # the preprocessor keeps none
+        for buf in state.buffers() if state is not None else ():
+            _free(buf)
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.fx.GraphModule):
+            for key in [k for k in obj.meta if isinstance(k, str) and k.endswith("__original__")]:
+                _free(obj.meta.pop(key))
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _free(t) -> None:
+    if isinstance(t, torch.Tensor):
+        t.untyped_storage().resize_(0)
 
 
 def _export(make_module, example: tuple, batched: list[int | None], streams: int):
@@ -139,6 +161,7 @@ def _export(make_module, example: tuple, batched: list[int | None], streams: int
     Voxtral mel's chunk dim)."""
     _release_previous_trace()
     module = make_module()
+    _TRACED.append(module)
     if streams == 1:
         return torch.export.export(module, tuple(x[:1] if b is not None else x for x, b in zip(example, batched)))
     dim = torch.export.Dim("streams", min=1, max=streams)

@@ -21,6 +21,10 @@ from runner.manifest_fields import FieldError, check_dtype, check_name, check_sh
 MANIFEST_NAME = "model.pte"
 FORMAT_NAME = "voxtral-aoti-bundle"
 FORMAT_VERSION = 2  # 2: per-chunk digests of large files (version 1 bundles still load)
+# A batched decode method's slot cache (text_decoder_batch) is named as the prefill's cache under this prefix
+# (batch.layers.0.self_attn.kv_cache.k_cache): how the runtime pairs the cache a prompt is prefilled into with the
+# slots it is copied to.
+BATCH_STATE_PREFIX = "batch."
 CHUNK_BYTES = 64 << 20  # files larger than this also get a sha256 per 64 MiB piece
 METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")  # required
 # Optional: the decoder exported for one token, sharing text_decoder's weights file (and so its KV cache).

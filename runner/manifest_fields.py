@@ -25,7 +25,7 @@ DEVICES = ("cpu", "cuda")
 _MODEL_REQUIRED = ("config", "max_seq_len", "tokenizer", "special_tokens")
 _CHUNKED = ("max_audio_chunks", "tokens_per_chunk")
 FAMILY_REQUIRED = {"voxtral": _CHUNKED, "whisper": _CHUNKED}
-_POSITIVE = ("max_seq_len", "max_audio_chunks", "n_mels", "max_recording_chunks")
+_POSITIVE = ("max_seq_len", "max_audio_chunks", "n_mels", "max_recording_chunks", "max_batch")
 _FLAGS = ("pdl", "multilingual")
 _NAMES = ("family", "tokenizer_type")
 # config.text / config.audio: the sizes `inspect` shows (required) and the others (checked when present)

@@ -74,6 +74,15 @@ def tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_batch_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
+    """`tiny_bundle` exported with --max-batch 4: its five methods (the same compiles) and text_decoder_batch."""
+    return export_cached(
+        tiny_checkpoint, tmp_path_factory.mktemp("bundles") / "tiny-batch4", max_audio_chunks=2, max_seq_len=1024,
+        max_batch=4,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def default_tiny_bundle(tiny_checkpoint, tmp_path_factory) -> Path:
     """The tiny model exported with the defaults (as `python -m runner export` and the e2e job build it)."""
     return export_cached(tiny_checkpoint, tmp_path_factory.mktemp("bundles") / "tiny-default")

@@ -4,7 +4,7 @@ traced (the log-mel preprocessor with its chunk count dynamic)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -56,6 +56,7 @@ class MethodPlan:
     check_inputs: list[tuple[torch.Tensor, ...]]  # self-check inputs (more than one shape per method)
     reference: nn.Module | None = None  # what the self-check compares with, if not `module` run eagerly
     export: Callable[[], torch.export.ExportedProgram] | None = None  # instead of torch.export.export(...)
+    key_extra: dict = field(default_factory=dict)  # what this method's compile depends on beyond the family's key
 
     def exported(self) -> torch.export.ExportedProgram:
         if self.export is not None:

@@ -48,6 +48,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTS = ("none", "int4")  # --quant: weight-only int4 of the decoder's linear layers (export/quant.py)
 # Per-dtype tolerance of the exported-vs-eager self-check, relative to the reference's largest magnitude.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# Families whose bundle can take `--max-batch` > 1 (a batched decode step); the others decode one file at a time.
+BATCHED_FAMILIES = ("voxtral",)
 # Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
 PIPELINE_SOURCES = ("export/pipeline.py", "export/methods.py", "models/mel.py", "audio.py")
 
@@ -65,12 +67,17 @@ class ExportOptions:
     force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
     quant: str = "none"  # "int4": the decoder's linear layers weight-only int4 (runner/export/quant.py)
     max_streams: int | None = None  # voxtral-realtime: stream slots batched in one step (None: the family's default)
+    max_batch: int = 1  # voxtral: > 1 adds text_decoder_batch, that many sequences decoded in one step
 
     def __post_init__(self):
         chunks = self.max_audio_chunks
         if self.max_seq_len is None and isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
             object.__setattr__(self, "max_seq_len", context_for(chunks))
-        for flag, value in (("--max-audio-chunks", self.max_audio_chunks), ("--max-seq-len", self.max_seq_len)):
+        for flag, value in (
+            ("--max-audio-chunks", self.max_audio_chunks),
+            ("--max-seq-len", self.max_seq_len),
+            ("--max-batch", self.max_batch),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ExportError(f"{flag} {value}: a whole number, at least 1")
         if self.dtype not in DTYPES:
@@ -193,6 +200,11 @@ def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: 
     family has; the family's exporter adds its own."""
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda: no CUDA device visible to torch")
+    if opts.max_batch > 1 and family not in BATCHED_FAMILIES:
+        raise ExportError(
+            f"--max-batch {opts.max_batch}: a {family} bundle has no batched decode step "
+            f"(only {', '.join(BATCHED_FAMILIES)} bundles take --max-batch > 1)"
+        )
     dtype = DTYPES[opts.dtype]
     model = model.to(device=opts.device, dtype=dtype).eval()
     model.setup_caches(opts.max_seq_len, dtype)
@@ -232,7 +244,7 @@ def build_bundle(
         debug_dir = stage / "debug" if opts.debug else None
         written: dict[str, set[str]] = {}  # weights file -> its FQNs
         for plan in plans:
-            key = cache_key(model, source, opts, plan.name, family_key or {})
+            key = cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
             so = stage / f"{plan.name}.so"
             t0 = time.perf_counter()
             sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too

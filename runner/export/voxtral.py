@@ -1,5 +1,6 @@
 """Voxtral's export: its five methods planned over one model (the decoder twice: `text_decoder` for any
-prompt length, `text_decoder_step` for one token, on CUDA the Triton decode kernels), then the shared pipeline."""
+prompt length, `text_decoder_step` for one token, on CUDA the Triton decode kernels), then the shared pipeline.
+With `--max-batch N` > 1 a sixth, `text_decoder_batch`: one token for each of B <= N sequences in their own slots."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch.export import Dim
 
 from runner.audio import CHUNK_LENGTH, MIN_ANSWER_ROOM, N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK, context_for
+from runner.bundle import BATCH_STATE_PREFIX, StateSpec
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
@@ -19,11 +22,13 @@ from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import voxtral
 from runner.models.voxtral import Voxtral
+from runner.models.voxtral_batch import BatchDecoder, SlotCaches
 
 # Hashed into the compile-cache key beside the pipeline's own sources: editing these must recompile.
 SOURCE_FILES = (
     "models/voxtral.py",
     "models/voxtral_config.py",
+    "models/voxtral_batch.py",
     "export/voxtral.py",
     "export/decode_step.py",
     "export/kernels.py",
@@ -47,6 +52,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     m = voxtral.methods(model)
     state = kv_cache_state(c.text.n_layers, [1, c.text.n_kv_heads, S, c.text.head_dim], dtype)
     small = min(2, K)
+    batched = [batch_plan(model, opts, state)] if opts.max_batch > 1 else []
     return [
         preprocessor_plan(c.audio.n_mels, dev, K, [(wave(1),), (wave(small),)]),
         MethodPlan(
@@ -108,7 +114,59 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             [(emb(1), torch.tensor([i], device=dev)) for i in range(3)],
             reference=m.text_decoder,
         ),
+        *batched,
     ]
+
+
+CHECK_SLOTS = 2  # the eager model's slots for the self-check: batches of 1 and 2, rows at other positions
+
+
+def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
+    """text_decoder_batch: embeds [B, 1, H], cache_position [B] -> logits [B, V], B = 1..max_batch, over a slot
+    cache of max_batch rows (its own state; the runtime copies prefilled prompts into it). The plain decoder at a
+    dynamic B (Inductor's GEMMs: at B > 1 the weights are read once for B tokens, which is the point). Traced over
+    a slot cache of max_batch rows that lives only while it compiles; the self-check's eager side keeps
+    CHECK_SLOTS (at 3B, max_batch slots of cache twice over would not fit beside the model)."""
+    c, dev, dtype, n = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_batch
+    g = torch.Generator().manual_seed(4321)
+    emb = lambda b: (torch.randn(b, 1, c.dim, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
+    pos = lambda *p: torch.tensor(p, dtype=torch.int64, device=dev)  # noqa: E731
+    batch = {"min": 1, "max": n}
+    eager = BatchDecoder(c, model.language_model, SlotCaches(c, CHECK_SLOTS, opts.max_seq_len, dtype, dev))
+    slot_state = {  # the slot caches, max_batch rows each (their FQNs: BATCH_STATE_PREFIX + the batch-1 cache's)
+        k: StateSpec([n, *t.shape[1:]], dtype_name(t.dtype))
+        for k, t in eager.named_buffers()
+        if k.startswith(BATCH_STATE_PREFIX)
+    }
+
+    def export():
+        module = BatchDecoder(c, model.language_model, SlotCaches(c, n, opts.max_seq_len, dtype, dev))
+        b = Dim("batch", min=1, max=n)
+        # 2 rows: 1 would specialise B; size-oblivious tracing keeps the program general where the trace would
+        # guard on B != 1 (as the realtime steps and the mel's chunk dim)
+        with fx_config.patch(backed_size_oblivious=True):
+            return torch.export.export(module, (emb(2), pos(0, 0)), dynamic_shapes=({0: b}, {0: b}), strict=False)
+
+    # one row alone, then two at different positions (row 1 starts later and ends apart), against eager
+    steps = [(0,), (1, 0), (2, 1), (3, 2), (4, 7)]
+    return MethodPlan(
+        "text_decoder_batch",
+        eager,
+        (emb(2), pos(0, 0)),
+        None,
+        replace(
+            method_spec(
+                "text_decoder_batch",
+                [("embeds", dtype_name(dtype), [batch, 1, c.dim]), ("cache_position", "int64", [batch])],
+                [("logits", "float32", [batch, c.vocab_size])],
+                slot_state | state,  # the batch-1 cache too: the module reaches it (its layers), its graph does not
+            ),
+            weights="text_decoder.safetensors",  # the decoder's weights, one copy; the slot cache is its own state
+        ),
+        [(emb(len(p)), pos(*p)) for p in steps],
+        export=export,
+        key_extra={"max_batch": n},
+    )
 
 
 def decode_step_module(model: Voxtral, device: str, pdl: bool = True) -> nn.Module:
@@ -162,6 +220,7 @@ def export_voxtral(
         "tokenizer": "tekken.json",
         "special_tokens": special,
         "pdl": decode_kernels_wait(opts.device, opts.pdl),
+        "max_batch": opts.max_batch,  # > 1: text_decoder_batch decodes up to this many sequences at once
     }
     plans = plan_methods(model, opts)
     return build_bundle(model, plans, source, tekken_path, meta, out, opts, progress, family_key(opts))

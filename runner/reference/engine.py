@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from runner.models.methods import Methods
 from runner.runtime.engine import CrossAttended, decode_token, extra_inputs
@@ -22,10 +23,16 @@ class EagerEngine:
         encoder_dtype: torch.dtype,
         reset: Callable[[], None],
         cross_attention: bool = False,
+        batch: nn.Module | None = None,
+        slots: list[tuple[torch.Tensor, torch.Tensor]] = (),
     ):
+        """`batch`: the batched decoder (embeds [B, 1, H], positions [B] -> logits [B, V]) over its own slot
+        caches; `slots` pairs each slot cache [N, ...] with the prefill's cache [1, ...] it is copied from."""
         self.methods, self.device, self._reset = methods, device, reset
         self.max_seq_len, self.max_audio_chunks, self.encoder_dtype = max_seq_len, max_audio_chunks, encoder_dtype
         self.cross = CrossAttended() if cross_attention else None
+        self.batch, self.slots = batch, list(slots)
+        self.max_batch = slots[0][0].shape[0] if batch is not None else 1
 
     @torch.inference_mode()
     def preprocess(self, wave):
@@ -52,3 +59,14 @@ class EagerEngine:
 
     def run_prefill(self, compute, inputs):
         return compute(self, *inputs)
+
+    @torch.inference_mode()
+    def admit(self, slot: int, length: int) -> None:
+        for slots, one in self.slots:
+            slots[slot, :, :length].copy_(one[0, :, :length])
+            slots[slot, :, length:].zero_()
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens, pos):
+        b = tokens.shape[0]
+        return self.batch(self.embed(tokens.view(1, b)).view(b, 1, -1), pos)

@@ -13,6 +13,7 @@ from runner.models import voxtral
 from runner.models.quant_linear import use_quant_layout
 from runner.models.state import load_state
 from runner.models.voxtral import Voxtral
+from runner.models.voxtral_batch import BatchDecoder, SlotCaches
 from runner.models.voxtral_config import VoxtralConfig
 from runner.reference.engine import EagerEngine
 
@@ -41,6 +42,14 @@ def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtra
 def eager_engine(bundle_dir: Path, manifest: Manifest, device: str | None = None) -> EagerEngine:
     device = device or manifest.device
     model = model_from_bundle(bundle_dir, manifest, device=device)
+    batch, slots = None, []
+    if manifest.model.get("max_batch", 1) > 1:  # the bundle's batched step, eagerly: as many slots, its own caches
+        t, dtype = model.config.text, model.language_model.model.embed_tokens.weight.dtype
+        state = SlotCaches(t, manifest.model["max_batch"], manifest.model["max_seq_len"], dtype, device)
+        batch = BatchDecoder(t, model.language_model, state)
+        slots = [(state.kv(i).k_cache, layer.self_attn.kv_cache.k_cache) for i, layer in enumerate(batch.layers)] + [
+            (state.kv(i).v_cache, layer.self_attn.kv_cache.v_cache) for i, layer in enumerate(batch.layers)
+        ]
     return EagerEngine(
         voxtral.methods(model),
         device=device,
@@ -48,4 +57,6 @@ def eager_engine(bundle_dir: Path, manifest: Manifest, device: str | None = None
         max_audio_chunks=manifest.model["max_audio_chunks"],
         encoder_dtype=getattr(torch, manifest.dtype),
         reset=model.reset_caches,
+        batch=batch,
+        slots=slots,
     )

@@ -3,18 +3,39 @@ each job's result as it finishes, in completion order.
 
 At batch 1 the jobs run one after another through `MultimodalRunner.generate_windows`. At batch B > 1 (a bundle
 exported with `--max-batch`), B sequences are in flight in one batched decode step, each with its own position,
-prompt length and stop; when one finishes, the next prompt's prefill takes its slot (continuous batching).
+prompt length and stop; when one finishes, the next prompt's prefill takes its slot (continuous batching):
+
+    queue of prompts ──free slot──▶ prefill at batch 1 (the engine's own cache) ──admit──▶ slot's cache
+    every step: the active slots' last tokens ──decode_batch──▶ logits [B, V] ──each slot's sampler──▶ tokens
+
+A job's windows run in order (its next window is queued, ahead of new jobs, when its previous one finishes), and
+its result joins them as generate_windows does. A new prompt takes the lowest free slot, so the rows a step runs
+(up to the highest slot in use) stay few.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from runner.audio import SAMPLE_RATE
 from runner.errors import AudioError, GenerationError, TokenizerError
-from runner.runtime.generate import GenerationOptions, GenerationResult, MultimodalRunner, Prompt
-from runner.stats import Stats
+from runner.runtime.engine import BatchEngine, check_features
+from runner.runtime.generate import (
+    AudioSegment,
+    GenerationOptions,
+    GenerationResult,
+    MultimodalRunner,
+    Prompt,
+    Sampler,
+    answer_room,
+)
+from runner.runtime.results import join_results, window_result
+from runner.stats import Stats, now_ms
 
 # a job's own fault: its error record, and the other jobs go on
 JOB_ERRORS = (AudioError, GenerationError, TokenizerError)
@@ -44,7 +65,15 @@ def generate_many(
     if batch == 1:
         yield from _serial(runner, jobs, opts)
         return
-    raise GenerationError(f"--batch {batch}: batched decoding is not built yet")
+    slots = getattr(runner.engine, "max_batch", 1)
+    if batch > slots:
+        exported = f"exported with --max-batch {slots}" if slots > 1 else "exported without --max-batch"
+        raise GenerationError(
+            f"--batch {batch}: this bundle decodes at most {slots} file{'s' if slots > 1 else ''} at once ({exported}); "
+            f"export it with --max-batch {batch} (or more), or run with a smaller --batch"
+        )
+    with runner.exclusive():
+        yield from _Batcher(runner, opts, batch).run(iter(jobs))
 
 
 def _serial(runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptions) -> Iterator[JobResult]:
@@ -56,3 +85,152 @@ def _serial(runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptio
             yield JobResult(job, None, e)
             continue
         yield JobResult(job, result)
+
+
+@dataclass
+class _Work:
+    """A job in progress: its windows' results so far."""
+
+    job: Job
+    results: list[GenerationResult] = field(default_factory=list)
+
+    def stats(self) -> Stats:  # a window's own numbers, over what the caller recorded before (the model load)
+        return copy.copy(self.job.stats) if self.job.stats is not None else Stats()
+
+
+@dataclass
+class _Sequence:
+    """One prompt window in flight in a slot: its tokens, next position, cap and sampler."""
+
+    work: _Work
+    prompt_ids: list[int]
+    stats: Stats
+    sampler: Sampler
+    limit: int  # max_new_tokens, or the room for the audio's answer
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    stop: str | None = None
+
+    @property
+    def pos(self) -> int:
+        """Where the last token is decoded: the prompt's positions, then one per token before it."""
+        return len(self.prompt_ids) + len(self.tokens) - 1
+
+    def take(self, token: int, eos: int, opts: GenerationOptions, max_seq_len: int, logits=None) -> bool:
+        """Append a token; True when the sequence stops (the same tests, in the same order, as generate)."""
+        self.tokens.append(token)
+        if logits is not None:
+            self.logits.append(logits)
+        n = len(self.tokens)
+        if token == eos and n > opts.min_new_tokens:
+            self.stop = "eos"
+        elif n >= self.limit:
+            self.stop = "max_new_tokens"
+        elif self.pos >= max_seq_len:  # no position left to decode the next token at
+            self.stop = "context"
+        return self.stop is not None
+
+
+class _Batcher:
+    def __init__(self, runner: MultimodalRunner, opts: GenerationOptions, batch: int):
+        self.runner, self.opts = runner, opts
+        self.e: BatchEngine = runner.engine
+        self.slots: list[_Sequence | None] = [None] * batch
+        self.queue: deque[tuple[_Work, int]] = deque()  # (job, window index) ready to prefill
+        self.done: list[JobResult] = []
+
+    def run(self, jobs: Iterator[Job]) -> Iterator[JobResult]:
+        pending = True  # jobs left in the iterator
+        while True:
+            while None in self.slots and (self.queue or pending):
+                if not self.queue:
+                    job = next(jobs, None)
+                    if job is None:
+                        pending = False
+                        break
+                    if not job.windows:
+                        self.done.append(JobResult(job, None, GenerationError("empty prompt: nothing to prefill")))
+                        continue
+                    self.queue.append((_Work(job), 0))
+                self._admit(*self.queue.popleft())
+            yield from self._drain()
+            if not any(self.slots):
+                if not self.queue and not pending:
+                    return
+                continue
+            self._step()
+            yield from self._drain()
+
+    def _drain(self) -> Iterator[JobResult]:
+        while self.done:
+            yield self.done.pop(0)
+
+    def _admit(self, work: _Work, index: int) -> None:
+        """Prefill window `index` of the job at batch 1 and take its first token; a sequence not done at once
+        moves into the lowest free slot."""
+        e, opts, window = self.e, self.opts, work.job.windows[index]
+        stats = work.stats()
+        stats.audio_seconds = sum(s.num_samples for s in window if isinstance(s, AudioSegment)) / SAMPLE_RATE
+        e.reset()  # the prefill's cache starts empty; the slots keep the sequences in flight
+        stats.inference_start_ms = now_ms()  # TTFT is measured from here: the job's own prefill
+        try:
+            logits, prompt_ids = self.runner.prefill(window)
+            stats.prompt_eval_end_ms = now_ms()
+            stats.prompt_tokens = len(prompt_ids)
+            seq = _Sequence(
+                work,
+                prompt_ids,
+                stats,
+                Sampler(opts, e.device),
+                opts.max_new_tokens or answer_room(stats.audio_seconds),
+            )
+            t0 = now_ms()
+            token = int(seq.sampler(logits))
+            stats.aggregate_sampling_time_ms += now_ms() - t0
+            stats.first_token_ms = now_ms()
+            check_features(e)  # non-finite features: the job's error, before its cache reaches a slot
+        except JOB_ERRORS as err:
+            self.done.append(JobResult(work.job, None, err))
+            return
+        kept = logits.to(torch.float32, copy=True).cpu() if opts.record_logits else None
+        if seq.take(token, self.runner.tok.eos_id, opts, e.max_seq_len, kept):
+            self._finish(seq)
+            return
+        slot = self.slots.index(None)
+        e.admit(slot, len(prompt_ids))
+        self.slots[slot] = seq
+
+    def _step(self) -> None:
+        """One batched decode step of every slot up to the highest in use (free ones below it decode a dummy)."""
+        e, opts = self.e, self.opts
+        n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        active = self.slots[:n]
+        tokens = torch.tensor([[s.tokens[-1] if s else 0] for s in active], dtype=torch.int64).to(e.device)
+        pos = torch.tensor([s.pos if s else e.max_seq_len - 1 for s in active], dtype=torch.int64).to(e.device)
+        logits = e.decode_batch(tokens, pos)  # [n, V]
+        t0 = now_ms()
+        if all(s is None or s.sampler.generator is None for s in active):
+            picked = logits.argmax(dim=-1).tolist()  # one copy to the host for every row
+        else:
+            picked = [int(s.sampler(logits[i : i + 1])) if s else 0 for i, s in enumerate(active)]
+        kept = logits.to(torch.float32, copy=True).cpu() if opts.record_logits else None
+        dt = (now_ms() - t0) / sum(s is not None for s in active)
+        for i, s in enumerate(active):
+            if s is None:
+                continue
+            s.stats.aggregate_sampling_time_ms += dt
+            if s.take(
+                picked[i], self.runner.tok.eos_id, opts, e.max_seq_len, None if kept is None else kept[i : i + 1]
+            ):
+                self.slots[i] = None
+                self._finish(s)
+
+    def _finish(self, seq: _Sequence) -> None:
+        """A window is done: its result; the job's next window queued first, or the job's joined result."""
+        work = seq.work
+        r = window_result(self.runner.tok, seq.prompt_ids, seq.tokens, seq.stop, seq.stats, seq.logits, self.e.device)
+        work.results.append(r)
+        if len(work.results) < len(work.job.windows):
+            self.queue.appendleft((work, len(work.results)))
+            return
+        self.done.append(JobResult(work.job, join_results(work.results, work.stats(), self.e.device)))

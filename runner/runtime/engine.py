@@ -12,8 +12,9 @@ from typing import Protocol
 
 import torch
 
+from runner.bundle import BATCH_STATE_PREFIX
 from runner.errors import AudioError, BundleError, GenerationError
-from runner.runtime.graphs import DecodeGraph, PrefillGraphs
+from runner.runtime.graphs import BatchGraphs, DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Method, Program
 
@@ -31,6 +32,16 @@ class Engine(Protocol):
     def reset(self) -> None: ...
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor: ...  # [1,1] -> logits [1, V]
     def run_prefill(self, compute, inputs: list[torch.Tensor]): ...  # compute(engine, *inputs), maybe graphed
+
+
+class BatchEngine(Engine, Protocol):
+    """An Engine that also decodes several sequences in one step (runner/runtime/batch.py): each in a slot of its
+    own KV cache, separate from the cache a prompt is prefilled into. `reset()` leaves the slots alone."""
+
+    max_batch: int  # slots; 1: no batched step
+
+    def admit(self, slot: int, length: int) -> None: ...  # the prefilled positions [0, length) -> slot's cache
+    def decode_batch(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # [B,1], [B] -> [B, V]
 
 
 class CrossAttended:
@@ -74,6 +85,11 @@ class ProgramEngine:
         _check_mel_bins(program, self._pre, self._enc)
         # the decoder exported for one token (older bundles have only text_decoder, which decodes too)
         self._step = m.get("text_decoder_step")
+        # B tokens of B sequences in one step, each in a slot of its own cache (a bundle exported with --max-batch)
+        self._batch = m.get("text_decoder_batch")
+        self.max_batch = model.get("max_batch", 1) if self._batch is not None else 1
+        self._slots = slot_pairs(program, self._dec, self._batch) if self._batch is not None else []
+        self.batch_graphs: BatchGraphs | None = None
         self.use_cuda_graph = options.cuda_graph and self.device == "cuda"
         self.cross: CrossAttended | None = None
         if cross_attention:  # graph replays read a static tensor: encode() copies each window's K/V into it
@@ -144,8 +160,33 @@ class ProgramEngine:
         # Capture before any prefill: the warm-ups write the first cache positions, wiped here.
         if self.use_cuda_graph and self.graph is None:
             self.graph = DecodeGraph(self.graph_step, self.device, overlap=self.pdl)
-        self.program.reset_state()
+        self.program.reset_state(keep=(BATCH_METHOD,))  # the slots hold sequences in flight
         self._features_ok.fill_(True)
+
+    def admit(self, slot: int, length: int) -> None:
+        """Copy the prompt just prefilled (positions [0, length) of the prefill's cache) into `slot`, and zero the
+        slot's positions after it (a masked position is multiplied by zero: stale values must be finite)."""
+        for slots, one in self._slots:
+            slots[slot, :, :length].copy_(one[0, :, :length])
+            slots[slot, :, length:].zero_()
+
+    def decode_batch(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """tokens [B, 1] int64, pos [B] int64 (row b is slot b) -> logits [B, V] float32, on CUDA from the graph
+        of the smallest captured batch >= B (its rows past B decode a parked position of free slots)."""
+        if self._batch is None:
+            raise GenerationError(f"{self.program.bundle_dir}: no text_decoder_batch (export with --max-batch N)")
+        if self.use_cuda_graph:
+            if self.batch_graphs is None:  # captured at the first batched step; see BatchGraphs on why that is safe
+                self.batch_graphs = BatchGraphs(self.batch_step, self.device, self.max_batch, self.max_seq_len - 1)
+            return self.batch_graphs.step(tokens, pos)
+        return self.batch_step(tokens, pos, graph_safe=False)
+
+    def batch_step(self, tokens: torch.Tensor, pos: torch.Tensor, graph_safe: bool = True) -> torch.Tensor:
+        """token_embedding (the B tokens as one row of ids: it takes [1, S]) + text_decoder_batch."""
+        b = tokens.shape[0]
+        emb, dec = self._emb, self._batch
+        embeds = emb.backend.execute(emb.handle, [tokens.view(1, b)], graph_safe=graph_safe)[0]
+        return dec.backend.execute(dec.handle, [embeds.view(b, 1, -1), pos], graph_safe=graph_safe)[0]
 
     def graph_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """token_embedding + the decoder at one position, capturably: what a decode graph records."""
@@ -158,6 +199,26 @@ class ProgramEngine:
             return self.graph.step(token, pos)
         step = self._step and (lambda embeds, pos: self._step(embeds, pos, *extra_inputs(self.cross))[0])
         return decode_token(self, token, pos, step)
+
+
+BATCH_METHOD = "text_decoder_batch"
+
+
+def slot_pairs(program: Program, dec: Method, batch: Method) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(slot cache [N, ...], prefill cache [1, ...]) for every cache of the batched method, paired by name: a slot
+    cache is named as the prefill's under BATCH_STATE_PREFIX (runner/bundle.py)."""
+    pairs = []
+    for fqn, slots in batch.handle.state.items():
+        one = dec.handle.state.get(fqn.removeprefix(BATCH_STATE_PREFIX)) if fqn.startswith(BATCH_STATE_PREFIX) else None
+        if one is None or one.shape[0] != 1 or one.shape[1:] != slots.shape[1:] or one.dtype != slots.dtype:
+            raise BundleError(
+                f"{program.bundle_dir}: {BATCH_METHOD} state {fqn} {list(slots.shape)} has no matching cache in "
+                f"text_decoder ({BATCH_STATE_PREFIX}<its name>, one row of the same shape): export the bundle again"
+            )
+        pairs.append((slots, one))
+    if not pairs:
+        raise BundleError(f"{program.bundle_dir}: {BATCH_METHOD} has no slot cache: export the bundle again")
+    return pairs
 
 
 def _check_mel_bins(program: Program, pre: Method, enc: Method) -> None:

@@ -7,6 +7,7 @@ prompts, its windows (Whisper: one per 30 s); `generate_windows` runs them in or
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -14,7 +15,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,14 @@ from runner.errors import GenerationError
 from runner.runtime.detokenize import StreamDecoder, Tokenizer
 from runner.runtime.engine import Engine, check_features, to_encoder_dtype
 from runner.runtime.features import RecordingFeatures
+from runner.runtime.results import (  # noqa: F401  (WindowResult, join_texts: still imported from here)
+    GenerationResult,
+    TextJoiner,
+    WindowResult,
+    join_results,
+    join_texts,
+    window_result,
+)
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts
@@ -106,36 +115,6 @@ class GenerationOptions:
             raise GenerationError(f"--top-p {self.top_p}: a number in (0, 1]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise GenerationError(f"--seed {self.seed}: a whole number from 0 to 2**63 - 1")
-
-
-@dataclass(frozen=True)
-class WindowResult:
-    """One prompt window of a result: its own text, token count, stop reason and stats."""
-
-    text: str
-    tokens: int
-    stop_reason: str
-    stats: Stats
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    text: str
-    prompt_ids: list[int]
-    tokens: list[int]
-    stop_reason: str  # "eos" | "max_new_tokens" | "context"
-    stats: Stats
-    logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per generated token, when recorded
-    windows: tuple[int, ...] = ()  # tokens generated in each prompt window, in order (their sum: len(tokens))
-    parts: tuple[WindowResult, ...] = ()  # each prompt window's own text, tokens, stop reason and stats
-
-    def window_tokens(self) -> list[list[int]]:
-        """`tokens` cut back into windows: what teacher forcing replays, window by window."""
-        out, start = [], 0
-        for n in self.windows or (len(self.tokens),):
-            out.append(list(self.tokens[start : start + n]))
-            start += n
-        return out
 
 
 _MIN_TEMPERATURE = 1e-250  # |float32 logit| / this stays finite in float64
@@ -268,41 +247,31 @@ class MultimodalRunner:
             raise GenerationError("empty prompt: nothing to prefill")
         if forced is not None and len(forced) != len(windows):
             raise GenerationError(f"{len(forced)} forced token lists for {len(windows)} prompt windows")
-        if not self._busy.acquire(blocking=False):
-            raise GenerationError(
-                "runner is busy: another generate() is running on this program (its KV cache is shared state); "
-                "use one program and runner per thread"
-            )
         stats = stats if stats is not None else Stats()
-        joiner = _Joiner(on_text)
-        try:
+        joiner = TextJoiner(on_text)
+        with self.exclusive():
             results = []
             for i, window in enumerate(windows):
                 joiner.next_window()
                 s = copy.copy(stats)  # its own numbers, over what the caller recorded before (the model load)
                 out = joiner if on_text else None
                 results.append(self._generate(window, opts, out, s, None if forced is None else forced[i]))
+        return join_results(results, stats, self.engine.device)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The program's KV cache for this caller alone (generate_windows, a batched run); a second caller gets a
+        GenerationError. The recordings' features computed meanwhile are dropped at the end."""
+        if not self._busy.acquire(blocking=False):
+            raise GenerationError(
+                "runner is busy: another generate() is running on this program (its KV cache is shared state); "
+                "use one program and runner per thread"
+            )
+        try:
+            yield
         finally:
             self._recordings.clear()
             self._busy.release()
-        vars(stats).update(vars(results[0].stats))
-        for r in results[1:]:
-            _merge_stats(stats, r.stats)
-        parts = tuple(WindowResult(r.text, len(r.tokens), r.stop_reason, r.stats) for r in results)
-        if len(results) == 1:
-            return replace(results[0], stats=stats, windows=(len(results[0].tokens),), parts=parts)
-        stats.finish_memory(self.engine.device)
-        reasons = [r.stop_reason for r in results if r.stop_reason != "eos"]
-        return GenerationResult(
-            text=join_texts(r.text for r in results),
-            prompt_ids=[i for r in results for i in r.prompt_ids],
-            tokens=[t for r in results for t in r.tokens],
-            stop_reason=reasons[-1] if reasons else "eos",
-            stats=stats,
-            logits=[x for r in results for x in r.logits],
-            windows=tuple(len(r.tokens) for r in results),
-            parts=parts,
-        )
 
     def _generate(self, segments, opts: GenerationOptions, on_text, stats: Stats, forced) -> GenerationResult:
         e = self.engine
@@ -341,11 +310,7 @@ class MultimodalRunner:
             e.reset()
         if on_text:
             on_text(stream.flush())
-        stats.inference_end_ms = now_ms()
-        stats.generated_tokens = len(tokens)
-        stats.finish_memory(e.device)
-        text = self.tok.decode([t for t in tokens if t < self.tok.vocab_size and t != self.tok.eos_id])
-        return GenerationResult(text, prompt_ids, tokens, stop, stats, recorded)
+        return window_result(self.tok, prompt_ids, tokens, stop, stats, recorded, e.device)
 
 
 def answer_room(audio_seconds: float) -> int:
@@ -420,45 +385,3 @@ def _recorded_event(device: str):
     ev = torch.cuda.Event()
     ev.record()
     return ev
-
-
-def _merge_stats(total: Stats, s: Stats) -> None:
-    """Adds window `s` to `total`: counts and durations summed, the end time the latest window's."""
-    total.prompt_eval_total_ms = total.prompt_eval_ms + s.prompt_eval_ms
-    total.generation_total_ms = total.generation_ms + s.generation_ms
-    total.decode_total_ms = total.decode_ms + s.decode_ms
-    total.windows += s.windows
-    total.prompt_tokens += s.prompt_tokens
-    total.generated_tokens += s.generated_tokens
-    total.aggregate_sampling_time_ms += s.aggregate_sampling_time_ms
-    total.audio_seconds += s.audio_seconds
-    total.inference_end_ms = s.inference_end_ms
-
-
-def join_texts(texts) -> str:
-    """Windows' texts as one, as `_Joiner` streams them."""
-    out: list[str] = []
-    joiner = _Joiner(out.append)
-    for text in texts:
-        joiner.next_window()
-        joiner(text)
-    return "".join(out)
-
-
-class _Joiner:
-    """Streams the texts of consecutive windows as one text: a space before a window's first text where the text
-    so far ends in none and it begins with none (a cut at a pause falls between two words)."""
-
-    def __init__(self, out: Callable[[str], None] | None):
-        self.out, self.tail, self.pending = out, "", False
-
-    def next_window(self) -> None:
-        self.pending = bool(self.tail) and not self.tail[-1].isspace()
-
-    def __call__(self, text: str) -> None:
-        if not text:
-            return
-        if self.pending and not text[0].isspace():
-            text = " " + text
-        self.pending, self.tail = False, text
-        self.out(text)

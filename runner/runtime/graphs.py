@@ -82,6 +82,43 @@ class DecodeGraph:
         return self.logits  # static: read it before the next step
 
 
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batches captured for a batched step: powers of two below max_batch, and max_batch."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_batch]
+
+
+class BatchGraphs:
+    """The batched decode step (tokens [B, 1], positions [B] -> logits [B, V]) as one CUDA graph per batch size
+    of batch_sizes(); a step of n rows replays the smallest size >= n, its rows past n at `park`, the context's
+    last position. Capturing runs real steps (the warm-ups) at `park` too, so it may happen while sequences are
+    in flight: a sequence writes a position before it attends to it, so whatever was parked there is overwritten
+    first."""
+
+    def __init__(self, step: Step, device: str, max_batch: int, park: int):
+        self.park = park
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for b in batch_sizes(max_batch):
+            token = torch.zeros(b, 1, dtype=torch.int64, device=device)
+            pos = torch.full((b,), park, dtype=torch.int64, device=device)
+            c = capture_graph(lambda token=token, pos=pos: step(token, pos), device)
+            self.graphs[b] = (c.graph, token, pos, c.out)
+        log.info("captured the batched decode step for batches of %s", ", ".join(map(str, self.graphs)))
+
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        graph, token, position, logits = self.graphs[next(b for b in self.graphs if b >= n)]
+        token[:n].copy_(tokens.view(n, 1))
+        token[n:].zero_()
+        position[:n].copy_(pos)
+        position[n:].fill_(self.park)
+        graph.replay()
+        return logits[:n]  # static: read it before the next step
+
+
 class PrefillGraphs:
     """A whole prefill (every method it calls) as one CUDA graph per shape of its inputs. Run method by method,
     the host launches each of its ~800 kernels (3B) and the GPU waits on those launches. A transcription prompt's

@@ -96,10 +96,14 @@ class Program:
     def device(self) -> str:
         return self.manifest.device
 
-    def reset_state(self) -> None:
-        """Zero the KV cache: each input starts from an empty context (a buffer two methods share, once)."""
+    def reset_state(self, keep: tuple[str, ...] = ()) -> None:
+        """Zero the KV cache: each input starts from an empty context (a buffer two methods share, once). The
+        state only the methods in `keep` hold is left as it is (text_decoder_batch's slots, while a prompt is
+        prefilled beside the sequences in flight)."""
         seen: set[int] = set()
-        for m in self.methods.values():
+        for name, m in self.methods.items():
+            if name in keep:
+                continue
             for t in m.handle.state.values():
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())

@@ -1,0 +1,105 @@
+"""The Voxtral decoder for B sequences at once, one token each (`text_decoder_batch`): continuous batching's step.
+
+Each sequence lives in a slot of its own KV cache, [slots, n_kv, S, head_dim] per layer, separate from the
+batch-1 cache the prefill writes (the runtime copies a prefilled prompt's rows into a free slot). Row b of a
+batch is slot b, at its own position `cache_position[b]`, attending to positions 0..cache_position[b] of its
+slot. The same parameters as text_decoder (`layers.*`, `norm`, `lm_head`): one weights file serves both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runner.models.voxtral import Attention, LanguageModel, apply_rope, rope
+from runner.models.voxtral_config import TextConfig
+
+
+class SlotKV(nn.Module):
+    def __init__(self, slots: int, max_seq_len: int, n_kv_heads: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (slots, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B], k/v [B, H_kv, 1, D] written at row b's position -> rows 0..B-1 [B, H_kv, S, D]. One scatter
+        into the buffer itself (a written view would not be a mutation of the exported program's state)."""
+        b, h = k.shape[:2]
+        rows = torch.arange(b, device=pos.device)[:, None]
+        heads = torch.arange(h, device=pos.device)[None, :]
+        index = (rows, heads, pos[:, None])  # broadcast to [B, H_kv]
+        self.k_cache.index_put_(index, k[:, :, 0])
+        self.v_cache.index_put_(index, v[:, :, 0])
+        return self.k_cache[:b], self.v_cache[:b]
+
+
+def _holder(**children: nn.Module) -> nn.Module:
+    m = nn.Module()
+    for name, child in children.items():
+        m.add_module(name, child)
+    return m
+
+
+class SlotCaches(nn.Module):
+    """Every layer's SlotKV, nested as the batch-1 caches are (`layers.i.self_attn.kv_cache`)."""
+
+    def __init__(self, c: TextConfig, slots: int, max_seq_len: int, dtype, device=None):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            _holder(self_attn=_holder(kv_cache=SlotKV(slots, max_seq_len, c.n_kv_heads, c.head_dim, dtype, device)))
+            for _ in range(c.n_layers)
+        )
+
+    def kv(self, i: int) -> SlotKV:
+        return self.layers[i].self_attn.kv_cache
+
+    def reset(self) -> None:
+        for buf in self.buffers():
+            buf.zero_()
+
+
+def slot_attention(
+    attn: Attention, x: torch.Tensor, cos, sin, pos: torch.Tensor, mask: torch.Tensor, kv: SlotKV
+) -> torch.Tensor:
+    """Attention.forward for one token per row, over each row's slot: x [B, 1, dim], cos/sin [B, D], mask [B, S]."""
+    c = attn.c
+    n_kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
+    q, k, v = attn.qkv_proj(x).split([c.n_heads * d, n_kv * d, n_kv * d], dim=-1)
+    # unflatten, not view: a view's trace guards on B != 1 (the batch dim is dynamic)
+    q = q.unflatten(-1, (n_kv, rep, d)).transpose(1, 2)  # [B, H_kv, 1, rep, D]: query heads folded as in Attention
+    k = k.unflatten(-1, (n_kv, d)).transpose(1, 2)  # [B, H_kv, 1, D]
+    v = v.unflatten(-1, (n_kv, d)).transpose(1, 2)
+    q = apply_rope(q, cos[:, None, None, None, :], sin[:, None, None, None, :])
+    k = apply_rope(k, cos[:, None, None, :], sin[:, None, None, :])
+    keys, values = kv.update(pos, k, v)  # [B, H_kv, S, D]
+    q = q.flatten(2, 3)  # [B, H_kv, rep, D]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * d**-0.5  # [B, H_kv, rep, S]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    y = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, rep, D]
+    return attn.o_proj(y.flatten(1).unsqueeze(1))  # heads in order j*rep + r: [B, 1, n_heads * D]
+
+
+class BatchDecoder(nn.Module):
+    """embeds [B, 1, dim], cache_position [B] int64 -> logits [B, vocab] float32; writes slot b at its position.
+    `state` is the slot cache it reads and writes (another set of slots over the same weights: the exporter
+    traces one of `--max-batch` slots, the eager self-check keeps a smaller one)."""
+
+    def __init__(self, c: TextConfig, lm: LanguageModel, state: SlotCaches):
+        super().__init__()
+        self.c = c
+        self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
+        # named `batch`: the slot caches' FQNs are the batch-1 caches' under runner.bundle.BATCH_STATE_PREFIX
+        # (batch.layers.i.self_attn.kv_cache.k_cache), by which the runtime pairs them
+        self.batch = state
+
+    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        max_seq = self.batch.kv(0).k_cache.shape[2]
+        mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [B, S]
+        cos, sin = rope(cache_position, self.c.head_dim, self.c.rope_theta, embeds.dtype)  # [B, D]
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            x = x + slot_attention(layer.self_attn, h, cos, sin, cache_position, mask, self.batch.kv(i))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x[:, -1, :])).float()

@@ -1,0 +1,76 @@
+"""`export --max-batch N`: N > 1 adds text_decoder_batch (B = 1..N tokens of B sequences, its own slot cache
+of N rows paired by name with the prefill's cache) and records `model.max_batch`; the default bundle's methods stay
+byte for byte what they were; a family without a batched step refuses the flag in one error line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runner.app.cli import build_parser, main
+from runner.bundle import BATCH_STATE_PREFIX, read_manifest
+from runner.errors import ExportError
+from runner.export.pipeline import ExportOptions, prepare
+
+SHARED = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "text_decoder_step")
+
+
+def test_max_batch_adds_the_batched_step_with_its_own_slot_cache(tiny_batch_bundle):
+    m = read_manifest(tiny_batch_bundle)
+    assert m.model["max_batch"] == 4 and list(m.methods) == [*SHARED, "text_decoder_batch"]
+    spec, dec = m.methods["text_decoder_batch"], m.methods["text_decoder"]
+    batch, t = {"min": 1, "max": 4}, m.model["config"]["text"]
+    assert [(x.name, x.dtype, x.shape) for x in spec.inputs] == [
+        ("embeds", "float32", [batch, 1, t["dim"]]),
+        ("cache_position", "int64", [batch]),
+    ]
+    assert [(x.name, x.dtype, x.shape) for x in spec.outputs] == [("logits", "float32", [batch, t["vocab_size"]])]
+    assert spec.weights == dec.weights  # one copy of the decoder's weights
+    slots = {k: v for k, v in spec.state.items() if k.startswith(BATCH_STATE_PREFIX)}
+    assert len(slots) == len(dec.state) == 2 * t["n_layers"]
+    for name, s in slots.items():
+        one = dec.state[name.removeprefix(BATCH_STATE_PREFIX)]
+        assert s.shape == [4, *one.shape[1:]] and one.shape[0] == 1 and s.dtype == one.dtype
+
+
+def test_the_default_bundle_has_max_batch_1_and_the_same_methods_byte_for_byte(tiny_bundle, tiny_batch_bundle):
+    one, four = read_manifest(tiny_bundle), read_manifest(tiny_batch_bundle)
+    assert one.model["max_batch"] == 1 and list(one.methods) == list(SHARED)
+    for name in SHARED:
+        assert one.methods[name] == four.methods[name]
+        lib = one.methods[name].library
+        assert one.files[lib].sha256 == four.files[lib].sha256
+
+
+def test_inspect_shows_max_batch(tiny_bundle, tiny_batch_bundle, capsys):
+    for bundle, line in (
+        (tiny_batch_bundle, "batch: up to 4 files decoded at once (text_decoder_batch; run --batch N, N <= 4)"),
+        (tiny_bundle, "batch: one file at a time (export with --max-batch N to decode N at once)"),
+    ):
+        assert main(["inspect", str(bundle), "--no-verify"]) == 0
+        assert line in " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert main(["inspect", str(tiny_batch_bundle), "--json", "--no-verify"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["max_batch"] == 4
+
+
+def test_the_flag_and_its_range():
+    assert build_parser().parse_args(["export"]).max_batch == 1
+    assert build_parser().parse_args(["export", "--max-batch", "8"]).max_batch == 8
+    for bad in (0, -2, True):
+        with pytest.raises(ExportError, match=f"--max-batch {bad}: a whole number, at least 1"):
+            ExportOptions(max_batch=bad)
+
+
+@pytest.mark.parametrize("family", ["whisper", "voxtral-realtime"])
+def test_a_family_without_a_batched_step_refuses_max_batch(family):
+    with pytest.raises(ExportError, match=f"--max-batch 2: a {family} bundle has no batched decode step"):
+        prepare(None, None, ExportOptions(max_batch=2), family)  # refused before the model is touched
+
+
+def test_the_cli_refuses_it_in_one_error_line(tmp_path, capsys):
+    out = tmp_path / "rt"
+    assert main(["export", "--preset", "tiny-realtime", "--max-batch", "2", "--out", str(out)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --max-batch 2: a voxtral-realtime bundle has no batched decode step")
+    assert "Traceback" not in "\n".join(err) and not out.exists()

@@ -12,7 +12,7 @@
 #            $LONG_COMPARE (default hf-compile) -> bench_long.{json,md,log}
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
-#   int4     benchmarks/int4_kernels.py: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
+#   int4     benchmarks/int4_kernels.py $INT4_ARGS: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
 #   regen    the random-init bundle's weights drawn again into a copy without them: every digest must match;
 #            prints what the artifact weighs with and without its weights
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
@@ -20,6 +20,14 @@
 #   kernels  decode_kernels.py --parts $KERNEL_PARTS (default tune) --fill $KERNEL_FILL (default 450)
 #   whisper  Whisper tiny.en exported and run for each of $WHISPER_DTYPES (fp32 bf16), graph and no graph, WER
 #   soak     the tiny bf16 CUDA bundle with 4 chunks, then the soak tests on it ($SOAK_TESTS)
+#   small24b Voxtral-Small-24B dims (voxtral-small-24b), random init, bf16, --max-seq-len 1024 --max-audio-chunks 1
+#            -> $BUNDLE_24B (default artifacts/24b; an existing one is benched again, not re-exported), then
+#            `bench --compare none` -> bench_24b.{json,md,log}. Its 48.5 GB of weights need the disk: our other
+#            bundles under artifacts/ (folders with a model.pte) are deleted first; the caches stay
+#   throughput  $TP_FILES (default 64) files of 30 s (the fixtures' speech, repeated) through $BUNDLE (export it with
+#            --max-batch: EXPORT_ARGS="--max-seq-len 1024 --max-audio-chunks 1 --max-batch 32") at each batch of
+#            $TP_BATCHES (default 1,8,32; 1 is the serial run), in one `bench --compare none` beside ours' headline
+#            figures -> bench_tp.{json,md,log}
 #   realtime the 4B Voxtral Realtime random-init bf16 bundle ($RT_STREAMS stream slots) -> $RT_BUNDLE, then
 #            `stream --bench` on it ($RT_BENCH_ARGS) -> realtime.{md,json,log}; its summary row holds the headline
 #
@@ -54,6 +62,12 @@ T_INT4=${T_INT4:-300}
 BUNDLE_INT4=${BUNDLE_INT4:-artifacts/3b-int4}
 T_LONG=${T_LONG:-420}
 T_REGEN=${T_REGEN:-180}
+T_SMALL24B=${T_SMALL24B:-560}
+T_THROUGHPUT=${T_THROUGHPUT:-240}
+INT4_ARGS=${INT4_ARGS:---parts check,gemv,step,agree}  # int4_kernels.py's flags (--quick: one config per kind)
+TP_FILES=${TP_FILES:-64}
+TP_BATCHES=${TP_BATCHES:-1,8,32}
+BUNDLE_24B=${BUNDLE_24B:-artifacts/24b}
 MIN_MODE_S=20  # a mode with less time than this left is skipped, not started
 
 BUNDLE=${BUNDLE:-artifacts/3b}
@@ -75,7 +89,7 @@ RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-sec
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench long regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4"
+MODES="setup tests export bench long regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -260,7 +274,9 @@ mode_bench_int4() {
 }
 
 mode_int4() {
-  (cd benchmarks && run_for "$T_INT4" python3 int4_kernels.py --parts check,gemv,step,agree --out "$OUT/int4.json" \
+  local args
+  read -ra args <<< "$INT4_ARGS"
+  (cd benchmarks && run_for "$T_INT4" python3 int4_kernels.py "${args[@]}" --out "$OUT/int4.json" \
     > "$OUT/int4.log" 2>&1)
   local rc=$?
   grep -E "^check|^gemv|^step|^agree" "$OUT/int4.log"
@@ -410,6 +426,65 @@ PY
   return $rc
 }
 
+mode_small24b() {
+  local rc b=$BUNDLE_24B d
+  if [ ! -f "$b/model.pte" ]; then
+    # only bundles of ours (a model.pte inside) under artifacts/: the compile caches and carried parts stay
+    for d in artifacts/*/; do
+      d=${d%/}
+      [ "$d" != "$b" ] && [ -f "$d/model.pte" ] && echo "  deleting $d for the disk" && rm -rf "$d"
+    done
+    rm -rf "$b"
+    mkdir -p artifacts && df -h artifacts | tail -1
+    run_for 420 python3 -m runner export --preset voxtral-small-24b --random-init --device cuda --dtype bf16 \
+      --max-seq-len 1024 --max-audio-chunks 1 --out "$b" > "$OUT/24b_export.log" 2>&1
+    rc=$?
+    grep -E "compiled|cached|error vs|^error" "$OUT/24b_export.log" | head -20
+    if ((rc != 0)) || [ ! -f "$b/model.pte" ]; then
+      tail -30 "$OUT/24b_export.log"
+      df -h artifacts | tail -1
+      NOTE="24B export failed (rc $rc)"
+      return $((rc == 0 ? 1 : rc))
+    fi
+  else
+    echo "  $b exists: benched again, not re-exported"
+  fi
+  du -sh "$b" | cut -f1
+  run_for "$T_BENCH" python3 -m runner bench --bundle "$b" "${BENCH_ARGS[@]}" --compare none \
+    --json "$OUT/bench_24b.json" > "$OUT/bench_24b.md" 2> "$OUT/bench_24b.log"
+  rc=$?
+  tail -3 "$OUT/bench_24b.log"
+  cat "$OUT/bench_24b.md"
+  NOTE=$([ -s "$OUT/bench_24b.json" ] && figures "$OUT/bench_24b.json" | paste -sd ';' || echo "no JSON (rc $rc)")
+  return $rc
+}
+
+mode_throughput() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local rc wav=/tmp/tp30.wav
+  python3 - "$wav" <<'PY' || { NOTE="could not make the 30 s audio"; return 1; }
+import sys, numpy as np, soundfile as sf
+from runner.audio import load_audio
+parts = [load_audio(f"fixtures/audio/{n}") for n in ("speech.wav", "long_35s.flac")]
+sf.write(sys.argv[1], np.concatenate(parts)[: 30 * 16000], 16000)
+PY
+  echo "$wav" > /tmp/tp30.list
+  run_for "$T_THROUGHPUT" python3 -m runner bench --bundle "$BUNDLE" "${BENCH_ARGS[@]}" --compare none \
+    --throughput-list /tmp/tp30.list --throughput-files "$TP_FILES" --batch "$TP_BATCHES" \
+    --json "$OUT/bench_tp.json" > "$OUT/bench_tp.md" 2> "$OUT/bench_tp.log"
+  rc=$?
+  tail -5 "$OUT/bench_tp.log"
+  cat "$OUT/bench_tp.md"
+  NOTE=$([ -s "$OUT/bench_tp.json" ] && python3 - "$OUT/bench_tp.json" <<'PY'
+import json, sys
+f = {r["metric"]["name"]: float(r["metric"]["extra_info"]["median"]) for r in json.load(open(sys.argv[1]))}
+print("; ".join(f"b{k.rsplit('_b', 1)[1]} {v:.0f} tok/s, wall {f[k.replace('decode_tokens_per_s', 'wall_ms')]:.0f} ms"
+                for k, v in f.items() if k.startswith("throughput_decode_tokens_per_s")))
+PY
+  )
+  return $rc
+}
+
 # ---- the call ----------------------------------------------------------------------------------------------------
 
 if (($# == 0)); then usage; exit 2; fi
@@ -452,7 +527,7 @@ for m in "${todo[@]}"; do
 done
 
 # at most 8 files come back from $OUT: past that, pack them all and keep the headline ones beside the pack
-keep=(summary.md realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
+keep=(summary.md bench_tp.md bench_tp.json bench_24b.md bench_24b.json realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
   whisper_cuda_fp32_e2e.jsonl whisper_cuda_bf16_e2e.jsonl 3b_export.log env.txt)
 {
   echo "| mode | status | s | limit s | result |"

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from runner.app.bench.args import add_arguments as add_bench  # the flags only, no torch
-from runner.app.options import Environment, add_runtime_flags, runtime_options
+from runner.app.options import Environment, runtime_options
+from runner.app.run_args import add_arguments as add_run  # the flags only, no torch
 from runner.app.stream import add_arguments as add_stream  # the flags only, no torch
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for  # numpy, no torch
 from runner.errors import RunnerError
@@ -86,6 +87,13 @@ def add_export(p: argparse.ArgumentParser) -> None:
         help="voxtral-realtime: concurrent streams one batched step takes (their state is allocated at load; "
         "default 64 on cuda, 8 on cpu)",
     )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="voxtral: > 1 adds text_decoder_batch, which decodes up to this many files at once (run --batch N; "
+        "its KV cache of N slots is allocated at load); 1: one file at a time",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the exported-vs-eager self-check")
     p.add_argument(
         "--no-pdl", action="store_true", help="CUDA: compile the decode kernels without the programmatic-launch wait"
@@ -134,6 +142,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         force=args.force,
         quant=args.quant,
         max_streams=args.max_streams,
+        max_batch=args.max_batch,
     )
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.
@@ -183,50 +192,21 @@ class _PlainStatus:
 # ---------------------------------------------------------------- run
 
 
-def add_run(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", type=Path, required=True, help="bundle directory (python -m runner export)")
-    p.add_argument("--audio", type=Path, action="append", required=True, help="audio file (repeatable)")
-    p.add_argument("--prompt", default=None, help="chat prompt about the audio (default: transcription)")
-    p.add_argument("--language", default=None, help="transcription language, e.g. en")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (temperature > 0)")
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="tokens to generate at most, per prompt window (default: 128, or 4 a second of its audio if more, "
-        "so a long transcript is not cut short)",
-    )
-    p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
-    p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
-    add_runtime_flags(p)
-    p.add_argument(
-        "--reference",
-        choices=["eager"],
-        default=None,
-        help="also run the eager PyTorch model with the same weights and compare",
-    )
-    p.add_argument("--expect", default=None, help="fail unless every transcript contains TEXT (case-insensitive)")
-    p.add_argument(
-        "--expect-tokens",
-        type=Path,
-        default=None,
-        help="golden JSON {audio file name: [token ids]}; fail on any difference in the tokens both have (a "
-        "prefix check: any --max-new-tokens works)",
-    )
-    p.add_argument(
-        "--wer",
-        type=Path,
-        default=None,
-        help="reference transcripts JSON {audio file name: text}: print each file's and the total word error rate",
-    )
-    p.add_argument(
-        "--max-wer", type=float, default=None, help="with --wer: fail if the total WER is above this (0.2 = 20%%)"
-    )
-
-
 def cmd_run(args: argparse.Namespace) -> int:
+    from runner.app import folder
+
+    # the files, --batch and --out are checked (and --out read) before the program loads: a typo fails at once
+    work = folder.prepare(args)
+    try:
+        if not work.todo:
+            print(f"note: every file already has a record in {args.out}; nothing to do", file=sys.stderr)
+            return 0
+        return _run_loaded(args, work)
+    finally:
+        work.close()
+
+
+def _run_loaded(args: argparse.Namespace, work) -> int:
     from runner.app.run import run_files
     from runner.bundle import read_manifest
     from runner.runtime.program import Program
@@ -241,7 +221,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         load.model_load_end_ms = now_ms()
         if cuda:
             load.record_gpu_memory("after_load")
-        return run_files(program, args, load)
+        # a live progress bar only on a real terminal (as export's spinner): in a log it would draw its frames
+        return run_files(program, args, load, work, live=sys.stderr.isatty())
 
 
 # ---------------------------------------------------------------- inspect
@@ -293,6 +274,8 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
         f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s per encoder call ({per_chunk})"
     )
     console.print(capacity_line(m), highlight=False)
+    if m.get("family", "voxtral") == "voxtral":
+        console.print(batch_line(m), highlight=False)
     console.print(quant_line(m.get("quant")), highlight=False)
     console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
     methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
@@ -320,6 +303,14 @@ def quant_line(quant: dict | None) -> str:
         f"{'symmetric' if quant['symmetric'] else 'asymmetric (scale + offset)'} in {quant['scale_dtype']}, "
         f"{quant['n_linear']} linear layers ({', '.join(quant['modules'])}); the rest unquantised"
     )
+
+
+def batch_line(model: dict) -> str:
+    """How many files one decode step takes (manifest `max_batch`; bundles from before it: one)."""
+    n = model.get("max_batch", 1)
+    if n > 1:
+        return f"batch: up to {n} files decoded at once (text_decoder_batch; run --batch N, N <= {n})"
+    return "batch: one file at a time (export with --max-batch N to decode N at once)"
 
 
 def capacity_line(model: dict) -> str:

@@ -56,6 +56,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma list of peers: eager (our eager model), hf (transformers' VoxtralForConditionalGeneration), "
         "hf-compile (the same with a static cache + torch.compile); 'none' for ours only",
     )
+    p.add_argument(
+        "--throughput-files",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also the throughput figures: N files (--audio repeated, or --throughput-list's, cycled) through "
+        "batched generation at each --batch, one timed pass each: generated tokens/s over the wall time, RTFx, "
+        "p50/p99 per-file latency, wall time after load",
+    )
+    p.add_argument(
+        "--throughput-list",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the throughput files: a list as `run --audio-list` reads it (default N: all of them)",
+    )
+    p.add_argument(
+        "--batch",
+        default="1",
+        metavar="B[,B...]",
+        help="with --throughput-files: the batch sizes to time, each a pass over the same files (1,8,32: the "
+        "serial pass beside the batched ones); above 1 needs a bundle exported with --max-batch",
+    )
     add_runtime_flags(p)
     p.add_argument("--json", type=Path, default=None, help="write the PyTorch OSS benchmark v3 records here")
     p.add_argument(

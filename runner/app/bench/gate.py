@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner.app.bench.report import FIGURE, FIGURES, GROUPS, HEADLINE, OURS, read_records
+from runner.app.bench.report import FIGURE, FIGURES, GROUPS, HEADLINE, OURS, THROUGHPUT, figure_for, read_records
 from runner.errors import RunnerError
 
 
@@ -22,7 +22,7 @@ class Thresholds:
 
     def limit(self, metric: str) -> float:
         own = dict(self.per)
-        fig = FIGURE.get(metric)
+        fig = figure_for(metric)
         if metric in own:
             return own[metric]
         if fig is not None and fig.group in own:
@@ -59,15 +59,20 @@ def parse_thresholds(text: str, gate: set[str] | None = None) -> Thresholds:
                 raise RunnerError(f"{flag}: two default percentages ({default:g} and {item}); give one")
             default = pct(item, item)
             continue
-        if name not in FIGURE and name not in GROUPS:
+        if figure_for(name) is None and name not in GROUPS:
             raise RunnerError(f"{flag}: {name} is not a figure or group ({', '.join(GROUPS)})")
         if name in per:
             raise RunnerError(f"{flag}: {name} is given twice")
         per[name] = pct(item, value)
     if gate is not None:
-        gated = {f.key for f in FIGURES if f.key in gate or f.group in gate}
+
+        def gated(key: str) -> bool:
+            fig = figure_for(key)
+            return key in gate or (fig is not None and fig.group in gate)
+
         for name in per:
-            if not ({name} | {f.key for f in FIGURES if f.group == name}) & gated:
+            members = [f.key for f in (*FIGURES, *THROUGHPUT) if f.group == name] if name in GROUPS else [name]
+            if not any(gated(k) for k in members):
                 raise RunnerError(f"{flag}: {name} is not gated (--gate {','.join(sorted(gate))}); add it to --gate")
     return Thresholds(20.0 if default is None else default, tuple(per.items()))
 
@@ -136,7 +141,7 @@ def compare(
     """Our figures against the baseline's (medians), for metrics whose name or group is in `gate`."""
     base, changes = _medians(baseline, OURS), []
     for name, (value, extra) in _medians(current, OURS).items():
-        fig = FIGURE.get(name)
+        fig = figure_for(name)
         if name not in base or not ({name, fig.group if fig else ""} & gate):
             continue
         old = base[name][0]
@@ -217,7 +222,7 @@ class GateResult:
             "|---|---:|---:|---:|---:|---|",
         ]
         for c in self.changes:
-            fig = FIGURE.get(c.metric)
+            fig = figure_for(c.metric)
             name = f"{fig.label} ({c.unit})" if fig else f"{c.metric} ({c.unit})"
             delta = (c.current / c.baseline - 1) * 100
             how = (

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from runner.app.bench.report import OURS, BackendResult
+from runner.app.bench.throughput import ThroughputPlan, bench_throughput
 from runner.audio import N_SAMPLES
 from runner.errors import RunnerError
 from runner.families.voxtral import Tekken
@@ -103,6 +104,7 @@ class Plan:
     segments: list[Segment]  # the e2e prompt (the audio file, transcription)
     opts: GenerationOptions
     audio_seconds: float
+    throughput: ThroughputPlan | None = None  # --throughput-files: N files at each --batch
 
 
 def method_inputs(plan: Plan, vocab_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,7 +233,12 @@ def bench_ours(
         e2e, info, prompt_ids, tokens = bench_e2e(engine, tok, plan, clock)
         res.samples.update(e2e)
         res.info.update(info, cuda_graph=str(engine.use_cuda_graph).lower())
-        res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device)]
+        res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device)]  # batch 1's: before the batched passes
+        if plan.throughput is not None:
+            runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))
+            samples, info = bench_throughput(runner, plan.throughput, plan.opts, clock, plan.warmup)
+            res.samples.update(samples)
+            res.info.update(info)
     finally:
         if program is not None:
             program.close()

@@ -52,7 +52,48 @@ FIGURES: tuple[Figure, ...] = (
     Figure("peak_memory_mb", "peak memory", "MiB", "lower", "memory"),
 )
 FIGURE = {f.key: f for f in FIGURES}
-GROUPS = tuple(dict.fromkeys(f.group for f in FIGURES))  # load, method, e2e, memory
+# `--throughput-files N --batch B,...`: N files through generate_many at batch B, one timed pass each; every
+# figure is recorded per batch size as `{key}_b{B}` (throughput_rtfx_b8), so batch sizes never share a name.
+THROUGHPUT: tuple[Figure, ...] = (
+    Figure(
+        "throughput_decode_tokens_per_s", "throughput: generated tokens / wall time", "tokens/s", "higher", "throughput"
+    ),
+    Figure("throughput_rtfx", "throughput: audio seconds / wall second (RTFx)", "x", "higher", "throughput"),
+    Figure("throughput_file_p50_ms", "throughput: per-file latency p50", "ms", "lower", "throughput"),
+    Figure("throughput_file_p99_ms", "throughput: per-file latency p99", "ms", "lower", "throughput"),
+    Figure("throughput_wall_ms", "throughput: wall time after load", "ms", "lower", "throughput"),
+)
+_THROUGHPUT = {f.key: f for f in THROUGHPUT}
+GROUPS = tuple(dict.fromkeys(f.group for f in (*FIGURES, *THROUGHPUT)))  # load, method, e2e, memory, throughput
+
+
+def throughput_key(key: str, batch: int) -> str:
+    return f"{key}_b{batch}"
+
+
+def figure_for(key: str) -> Figure | None:
+    """A fixed figure by its name, or a throughput figure of one batch size (`throughput_rtfx_b8`)."""
+    if key in FIGURE:
+        return FIGURE[key]
+    base, _, batch = key.rpartition("_b")
+    if base in _THROUGHPUT and batch.isdigit():
+        fig = _THROUGHPUT[base]
+        return Figure(key, f"{fig.label}, batch {int(batch)}", fig.unit, fig.better, fig.group)
+    return None
+
+
+def throughput_batches(res: BackendResult) -> list[int]:
+    """The batch sizes with throughput figures (or a throughput error) in a result, in order."""
+    found = {int(k.rpartition("_b")[2]) for k in res.samples if k.startswith("throughput_") and figure_for(k)}
+    found |= {int(k.split("_")[1][1:]) for k in res.info if k.startswith("throughput_b") and k.endswith("_error")}
+    return sorted(found)
+
+
+def figures_of(res: BackendResult) -> list[Figure]:
+    """The fixed figures, then the throughput figures of each batch size this result has."""
+    return [*FIGURES, *(figure_for(throughput_key(f.key, b)) for b in throughput_batches(res) for f in THROUGHPUT)]
+
+
 # The same-run table a person reads in ten seconds (at most MAX_HEADLINE rows); the load breakdown and every
 # statistic stay in the JSON records.
 HEADLINE = (
@@ -201,7 +242,7 @@ def to_records(run: BenchRun) -> list[dict]:
                 )
             )
             continue
-        for fig in FIGURES:
+        for fig in figures_of(res):
             s = res.summary(fig.key)
             if s is None:
                 continue
@@ -281,7 +322,7 @@ def from_records(records: list[dict], source: Path) -> BenchRun:
             res = results.setdefault(backend, BackendResult(backend, info=dict(r["model"].get("extra_info") or {})))
             if m["name"] == "error":
                 res.error = m["extra_info"]["error"]
-            elif m["name"] in FIGURE:
+            elif figure_for(m["name"]) is not None:
                 res.samples[m["name"]] = [float(v) for v in m["benchmark_values"]]
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise RunnerError(f"{source}: not records written by runner bench ({type(e).__name__}: {e})") from None
@@ -365,4 +406,42 @@ def markdown(run: BenchRun, title: str | None = None) -> str:
             lines.append(f"\n{_label(p.backend)}: not measured: {p.error}")
         elif p.info.get("note"):
             lines.append(f"\n{_label(p.backend)}: {p.info['note']}")
+    if throughput_batches(run.ours):
+        lines += ["", *throughput_table(run)]
     return "\n".join(lines) + "\n"
+
+
+def throughput_table(run: BenchRun) -> list[str]:
+    """One row per batch size (the serial pass, batch 1, beside the batched ones), and the speed-up over it."""
+    ours, ctx = run.ours, run.context
+    lines = [
+        f"#### Throughput: {ctx.get('throughput_files', '?')} files ({ctx.get('throughput_audio', '?')}), one timed "
+        "pass per batch size, wall time after load",
+        "",
+        "| batch | wall (s) | generated tokens/s | RTFx (audio s / s) | per-file p50 (ms) | per-file p99 (ms) | "
+        "tokens/s vs batch 1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    errors = []
+
+    def value(key: str, batch: int) -> float | None:
+        s = ours.summary(throughput_key(key, batch))
+        return s.median if s else None
+
+    serial = value("throughput_decode_tokens_per_s", 1)
+    for b in throughput_batches(ours):
+        if (err := ours.info.get(f"throughput_b{b}_error")) is not None:
+            errors.append(f"batch {b}: not measured: {err}")
+            continue
+        rate, wall = value("throughput_decode_tokens_per_s", b), value("throughput_wall_ms", b)
+        cells = [
+            f"{wall / 1e3:.2f}" if wall is not None else "–",
+            f"{rate:.1f}" if rate is not None else "–",
+            *(
+                f"{v:.1f}" if (v := value(k, b)) is not None else "–"
+                for k in ("throughput_rtfx", "throughput_file_p50_ms", "throughput_file_p99_ms")
+            ),
+            f"{rate / serial:.2f}x" if rate is not None and serial else "–",
+        ]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines + [f"\n{e}" for e in errors]

@@ -21,15 +21,16 @@ from runner.app.bench.gate import NO_BASELINE, GateResult, Thresholds, evaluate,
 from runner.app.bench.measure import Clock, Plan, bench_ours
 from runner.app.bench.peers import bench_eager, bench_hf
 from runner.app.bench.report import (
-    FIGURE,
     BackendResult,
     BenchRun,
+    figure_for,
     from_records,
     markdown,
     read_records,
     to_records,
     write_json,
 )
+from runner.app.bench.throughput import plan_throughput
 from runner.app.options import Environment
 from runner.audio import SAMPLE_RATE, TOKENS_PER_CHUNK, load_audio
 from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, read_manifest
@@ -120,7 +121,7 @@ def _parse_gate(text: str) -> set[str]:
     gate = {g.strip() for g in text.split(",") if g.strip()}
     if not gate:  # an empty gate checks nothing and so passes anything
         raise RunnerError(f"--gate {text!r}: name at least one figure or group ({', '.join(GROUPS)})")
-    unknown = sorted(g for g in gate if g not in GROUPS and g not in FIGURE)
+    unknown = sorted(g for g in gate if g not in GROUPS and figure_for(g) is None)
     if unknown:
         raise RunnerError(f"--gate {','.join(unknown)}: not a figure or group ({', '.join(GROUPS)})")
     return gate
@@ -150,6 +151,7 @@ def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan
             f"({m['max_seq_len']} tokens)"
         )
     device = args.device or manifest.device
+    throughput = plan_throughput(args, tok, m["max_audio_chunks"])
     return Plan(
         device=device,
         runs=args.runs or (10 if device == "cuda" else 5),
@@ -160,6 +162,7 @@ def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan
         segments=segments,
         opts=GenerationOptions(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens),
         audio_seconds=len(audio) / SAMPLE_RATE,
+        throughput=throughput,
     )
 
 
@@ -213,7 +216,10 @@ def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
         if plan.device == "cuda":
             torch.cuda.empty_cache()
 
-    return BenchRun(context(args.bundle, manifest, plan, args.audio, args.env), results)
+    ctx = context(args.bundle, manifest, plan, args.audio, args.env)
+    if plan.throughput is not None:
+        ctx.update(throughput_files=str(len(plan.throughput.prompts)), throughput_audio=plan.throughput.describe())
+    return BenchRun(ctx, results)
 
 
 def report(
@@ -245,6 +251,13 @@ def report(
     if args.chart:
         write_chart(run, args.chart)
         _say(f"wrote {args.chart}")
+    left_out = [
+        f"throughput at batch {k.split('_')[1][1:]} not measured: {v}"
+        for k, v in run.ours.info.items()
+        if k.startswith("throughput_b") and k.endswith("_error")
+    ]
+    if left_out:  # a batch size that could not run (a bundle without --max-batch) fails the run, after its report
+        raise RunnerError("; ".join(left_out))
     if result is not None and (error := result.error()):
         raise RunnerError(error)
     return 0

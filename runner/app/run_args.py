@@ -1,0 +1,96 @@
+"""`run`'s flags, apart from the verb (runner/app/run.py, which imports torch): `--help` builds them without it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runner.app.options import add_runtime_flags
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", type=Path, required=True, help="bundle directory (python -m runner export)")
+    p.add_argument(
+        "--audio",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="audio file (repeatable; these run first, in order)",
+    )
+    p.add_argument(
+        "--audio-dir",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="every audio file in DIR (the extensions soundfile reads: .wav, .flac, .ogg, ...; hidden names "
+        "skipped), sorted by name; repeatable; with --recursive, its subfolders too",
+    )
+    p.add_argument(
+        "--recursive", action="store_true", help="--audio-dir: also the files in its subfolders, at any depth"
+    )
+    p.add_argument(
+        "--audio-list",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a text file of audio paths, one a line (blank lines and lines starting with # skipped; a relative "
+        "path is relative to the list's folder); repeatable",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="append each file's record (the --json object) to this JSON-lines file as it finishes, one whole "
+        "line at a time; a re-run with the same --out skips the files that have a successful record there (error "
+        "records run again). Shows a progress bar instead of each file's text",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="files decoded at once (continuous batching: a finished file's slot takes the next one); above 1 "
+        "needs a bundle exported with --max-batch",
+    )
+    p.add_argument("--prompt", default=None, help="chat prompt about the audio (default: transcription)")
+    p.add_argument("--language", default=None, help="transcription language, e.g. en")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (temperature > 0)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to generate at most, per prompt window (default: 128, or 4 a second of its audio if more, "
+        "so a long transcript is not cut short)",
+    )
+    p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
+    add_runtime_flags(p)
+    p.add_argument(
+        "--reference",
+        choices=["eager"],
+        default=None,
+        help="also run the eager PyTorch model with the same weights and compare",
+    )
+    p.add_argument("--expect", default=None, help="fail unless every transcript contains TEXT (case-insensitive)")
+    p.add_argument(
+        "--expect-tokens",
+        type=Path,
+        default=None,
+        help="golden JSON {audio file name: [token ids]}; fail on any difference in the tokens both have (a "
+        "prefix check: any --max-new-tokens works)",
+    )
+    p.add_argument(
+        "--wer",
+        type=Path,
+        default=None,
+        help="reference transcripts JSON {audio file name: text}: print each file's and the total word error rate",
+    )
+    p.add_argument(
+        "--max-wer", type=float, default=None, help="with --wer: fail if the total WER is above this (0.2 = 20%%)"
+    )

@@ -1,24 +1,18 @@
 """The int4 decode GEMVs (`runner/export/kernels_int4.py`) on the H200, at the 3B shapes.
 
-Both int4 kernels of `kernels_int4.py` side by side (`--variants v1,v2`): v1 `_gemv_kernel_int4`, v2
-`_gemv_kernel_int4_v2`.
-
-1. check: each int4 kind and variant against the dequantised weight in float64 (the kernel's roundings applied),
-   error relative to the output's scale, and against the bf16 kernel on the dequantised weight.
-2. gemv: each kind over the 30 layers' distinct weights in one CUDA graph (nothing served from L2): the bf16
-   kernel on the bf16 weights at its table's config, v1 at its table's config (`--v1-grid` sweeps its old grid),
-   v2 over a small grid of (BLOCK_N, SUBTILES, warps); a table of us per call and effective GB/s (int4 bytes:
-   codes + scales + offsets). The winners go into the tables for the parts after.
-3. step: the whole decode step (30 layers + lm_head) in one CUDA graph with programmatic edges: bf16, and int4
-   DecodeStep with each variant; int4 logits against the int4 written-out decoder (dequantised in torch) at S = 1.
-   The faster variant stays selected for tune and agree.
+1. check: each int4 kind against the dequantised weight in float64 (the kernel's roundings applied), error
+   relative to the output's scale, and against the bf16 kernel on the dequantised weight.
+2. gemv: (BLOCK_N, BLOCK_G, warps) per kind, each over the 30 layers' distinct weights in one CUDA graph (nothing
+   served from L2), beside the bf16 kernel on the bf16 weights at its table's config.
+3. step: the whole decode step (30 layers + lm_head) in one CUDA graph with programmatic edges: bf16 and int4
+   DecodeStep; int4 logits against the int4 written-out decoder (dequantised in torch) at S = 1.
 4. tune: each int4 kind's config tuned inside the int4 step (the others held).
 5. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
    bf16 step decodes greedily; int4 prefills the same prompt (torch dequant) and steps through the same tokens
    with the int4 kernels. Also the prompt's positions (all logits, both models in torch), and bf16's own step
    against its written-out decoder (the kernels' rounding alone).
 
-    python benchmarks/int4_kernels.py --parts check,gemv,step,agree --out int4.json      (GPU; about 3 minutes)
+    python benchmarks/int4_kernels.py --parts check,gemv,step,agree --out int4.json      (GPU; about 4 minutes)
 """
 
 from __future__ import annotations
@@ -98,26 +92,22 @@ def cases(m: Voxtral, q: Voxtral):
     xn = (x.double() * torch.rsqrt(x.double().pow(2).mean() + eps)) * norm.double()
     return {
         "rms qkv": (
-            lambda lin, cfg, v=None: K4._launch_int4_gemv(
-                x, lin.qweight, lin.scales, lin.offsets, g=norm, eps=eps, config=cfg, variant=v
-            ),
+            lambda lin, cfg: K4._launch_int4_gemv(x, lin.qweight, lin.scales, lin.offsets, g=norm, eps=eps, config=cfg),
             lambda w: K._launch_gemv(x, w, g=norm, eps=eps),
             lambda lin: bf(deq(lin) @ xn),
             qa(lambda la: la.self_attn.qkv_proj),
             ba(lambda la: la.self_attn.qkv_proj.weight),
         ),
         "add o_proj": (
-            lambda lin, cfg, v=None: K4._launch_int4_gemv(
-                xo, lin.qweight, lin.scales, lin.offsets, residual=r, config=cfg, variant=v
-            ),
+            lambda lin, cfg: K4._launch_int4_gemv(xo, lin.qweight, lin.scales, lin.offsets, residual=r, config=cfg),
             lambda w: K._launch_gemv(xo, w, residual=r),
             lambda lin: bf(bf(deq(lin) @ xo.double()) + r.double()),
             qa(lambda la: la.self_attn.o_proj),
             ba(lambda la: la.self_attn.o_proj.weight),
         ),
         "rms_glu gate_up": (
-            lambda lin, cfg, v=None: K4._launch_int4_gemv(
-                x, lin.qweight, lin.scales, lin.offsets, g=norm, eps=eps, glu=True, config=cfg, variant=v
+            lambda lin, cfg: K4._launch_int4_gemv(
+                x, lin.qweight, lin.scales, lin.offsets, g=norm, eps=eps, glu=True, config=cfg
             ),
             lambda w: K._launch_gemv(x, w, g=norm, eps=eps, glu=True),
             lambda lin: (lambda gu: bf(F.silu(bf(gu[0])).to(BF16).double() * bf(gu[1])))((deq(lin) @ xn).chunk(2)),
@@ -125,17 +115,15 @@ def cases(m: Voxtral, q: Voxtral):
             ba(lambda la: la.mlp.gate_up_proj.weight),
         ),
         "add down": (
-            lambda lin, cfg, v=None: K4._launch_int4_gemv(
-                xf, lin.qweight, lin.scales, lin.offsets, residual=r, config=cfg, variant=v
-            ),
+            lambda lin, cfg: K4._launch_int4_gemv(xf, lin.qweight, lin.scales, lin.offsets, residual=r, config=cfg),
             lambda w: K._launch_gemv(xf, w, residual=r),
             lambda lin: bf(bf(deq(lin) @ xf.double()) + r.double()),
             qa(lambda la: la.mlp.down_proj),
             ba(lambda la: la.mlp.down_proj.weight),
         ),
         "rms_f32 lm_head": (
-            lambda lin, cfg, v=None: K4._launch_int4_gemv(
-                x, lin.qweight, lin.scales, lin.offsets, g=norm, eps=eps, out_f32=True, config=cfg, variant=v
+            lambda lin, cfg: K4._launch_int4_gemv(
+                x, lin.qweight, lin.scales, lin.offsets, g=norm, eps=eps, out_f32=True, config=cfg
             ),
             lambda w: K._launch_gemv(x, w, g=norm, eps=eps, out_f32=True),
             lambda lin: bf(deq(lin) @ xn),
@@ -149,79 +137,51 @@ def nbytes(lin: QuantLinear) -> int:
     return sum(t.numel() * t.element_size() for t in (lin.qweight, lin.scales, lin.offsets))
 
 
-def part_check(cs, results, variants) -> None:
+def part_check(cs, results) -> None:
     out = results["check"] = {}
     for kind, (launch, launch_bf16, ref, lins, _ws) in cs.items():
         lin = lins[0]
         want = ref(lin)
+        got = launch(lin, None)
         bf16_on_deq = launch_bf16(lin.dequantize(BF16))
-        for v in variants:
-            got = launch(lin, None, v)
-            o = out[f"{kind} {v}"] = {
-                "vs_float64": rel(got, want),
-                "vs_bf16_kernel_on_dequantised": rel(got, bf16_on_deq),
-            }
-            print(f"check {kind:16s} {v} vs float64 {o['vs_float64']:.2e}, vs the bf16 kernel on the dequantised "
-                  f"weight {o['vs_bf16_kernel_on_dequantised']:.2e}", flush=True)  # fmt: skip
+        out[kind] = {"vs_float64": rel(got, want), "vs_bf16_kernel_on_dequantised": rel(got, bf16_on_deq)}
+        print(f"check {kind:16s} vs float64 {out[kind]['vs_float64']:.2e}, vs the bf16 kernel on the dequantised "
+              f"weight {out[kind]['vs_bf16_kernel_on_dequantised']:.2e}", flush=True)  # fmt: skip
 
 
-def sweep(launch, lins, variant, grid) -> list:
-    """(ms for all of lins, config) per config that compiles, fastest first."""
-    rows = []
-    for cfg in grid:
-        try:
-            ms = graph_ms(lambda f=launch, lins=lins, cfg=cfg: [f(lin, cfg, variant) for lin in lins])
-        except Exception as e:  # a config Triton cannot compile (registers): skip it, say so
-            print(f"  {variant} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-            continue
-        rows.append((ms, cfg))
-    return sorted(rows, key=lambda r: r[0])
-
-
-def part_gemv(cs, results, variants, v1_grid, v2_grid) -> None:
+def part_gemv(cs, results, grid) -> None:
     out = results["gemv"] = {}
-    table = []
     for kind, (launch, launch_bf16, _ref, lins, ws) in cs.items():
         b = sum(nbytes(lin) for lin in lins)
         wb = sum(w.numel() * w.element_size() for w in ws)
         bf16_ms = graph_ms(lambda ws=ws, f=launch_bf16: [f(w) for w in ws])
         n, k = lins[0].out_features // (2 if "glu" in kind else 1), lins[0].in_features
-        key = key_of(kind, n, k)
-        o = out[kind] = {"n": n, "k": k, "bf16_us_per_call": bf16_ms * 1e3 / len(ws), "bf16_gb_s": wb / bf16_ms / 1e6}
-        row = [kind, f"{n}x{k}", f"{o['bf16_us_per_call']:.1f} ({o['bf16_gb_s']:.0f})"]
-        for v in ("v1", "v2"):
-            if v not in variants:
-                row.append("-")
+        rows = []
+        for cfg in grid:
+            if cfg[1] > triton_next_pow2(k // lins[0].group_size):
                 continue
-            table_cfg = K4.INT4_CONFIGS.get(key, K4.DEFAULT_INT4) if v == "v1" else K4.int4_v2_config(*key, 128)
-            grid = v1_grid if v == "v1" else v2_grid
-            if v == "v1":  # v1's own clamp: no tile wider than the groups
-                grid = [c for c in grid if c[1] <= triton_next_pow2(k // lins[0].group_size)]
-            grid = [table_cfg] + [c for c in grid if c != table_cfg]
-            rows = sweep(launch, lins, v, grid)
-            if not rows:
-                row.append("no config compiled")
+            try:
+                ms = graph_ms(lambda f=launch, lins=lins, cfg=cfg: [f(lin, cfg) for lin in lins])
+            except Exception as e:  # a config Triton cannot compile (registers): skip it, say so
+                print(f"  {kind} {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
                 continue
-            ms, cfg = rows[0]
-            o[v] = {
-                "best": cfg,
-                "us_per_call": ms * 1e3 / len(lins),
-                "gb_s": b / ms / 1e6,
-                "table_config": table_cfg,
-                "table_us_per_call": next((t * 1e3 / len(lins) for t, c in rows if c == table_cfg), None),
-                "top5": [(round(t * 1e3 / len(lins), 2), c) for t, c in rows[:5]],
-            }
-            row.append(f"{o[v]['us_per_call']:.1f} ({o[v]['gb_s']:.0f}) {cfg}")
-            print(f"gemv {kind:16s} {v} best {cfg}: {o[v]['us_per_call']:.1f} us/call {o[v]['gb_s']:.0f} GB/s | bf16 "
-                  f"kernel {o['bf16_us_per_call']:.1f} us {o['bf16_gb_s']:.0f} GB/s | top5 {o[v]['top5']}", flush=True)  # fmt: skip
-            (K4.INT4_CONFIGS if v == "v1" else K4.INT4_V2_CONFIGS)[key] = cfg  # the step below runs with the winners
-        table.append(row)
-    # "gemv " first: h200.sh's int4 mode prints the log's lines that start with it
-    print("gemv | kind | N x K | bf16 us (GB/s) | int4 v1 us (GB/s) config | int4 v2 us (GB/s) config |")
-    print("gemv |---|---|---:|---:|---:|")
-    for row in table:
-        print("gemv | " + " | ".join(row) + " |")
-    print("gemv (GB/s: the bytes each kernel streams: bf16 weights; int4 codes + scales + offsets)", flush=True)
+            rows.append((ms, cfg))
+        rows.sort()
+        ms, cfg = rows[0]
+        out[kind] = {
+            "n": n,
+            "k": k,
+            "best": cfg,
+            "us_per_call": ms * 1e3 / len(lins),
+            "tb_s": b / ms / 1e9,
+            "bf16_us_per_call": bf16_ms * 1e3 / len(ws),
+            "bf16_tb_s": wb / bf16_ms / 1e9,
+            "top5": [(round(t * 1e3 / len(lins), 2), c) for t, c in rows[:5]],
+        }
+        o = out[kind]
+        print(f"gemv {kind:16s} best {cfg}: {o['us_per_call']:.1f} us/call {o['tb_s']:.2f} TB/s | bf16 kernel "
+              f"{o['bf16_us_per_call']:.1f} us {o['bf16_tb_s']:.2f} TB/s | top5 {o['top5']}", flush=True)  # fmt: skip
+        K4.INT4_CONFIGS[key_of(kind, n, k)] = cfg  # the step below runs with the winners
     results["kernels"] = compiled_kernels()
 
 
@@ -239,14 +199,11 @@ def step_inputs(m: Voxtral, pos: int):
     return emb, torch.tensor([pos], device=DEV)
 
 
-def part_step(m, q, results, fill: int, pdl: bool, variants) -> None:
+def part_step(m, q, results, fill: int, pdl: bool) -> None:
     out = results["step"] = {}
     emb, pos = step_inputs(m, fill)
-    runs = [("bf16", m, None)] + [(f"int4 {v}", q, v) for v in variants]
     with torch.no_grad():
-        for name, model, v in runs:
-            if v:
-                K4.INT4_VARIANT = v  # the ops read it at launch (here: at capture)
+        for name, model in (("bf16", m), ("int4", q)):
             step, dec = DecodeStep(model.config.text, model.language_model, pdl=pdl), model.decoder()
             model.reset_caches()
             want = dec(emb, pos)
@@ -257,16 +214,9 @@ def part_step(m, q, results, fill: int, pdl: bool, variants) -> None:
                          "argmax_equal": bool(got.argmax() == want.argmax())}  # fmt: skip
             print(f"step {name}: {ms:.4f} ms/step ({1e3 / ms:.0f} tok/s, the step alone) | vs its written-out "
                   f"decoder rel err {out[name]['rel_err']:.2e}, argmax equal {out[name]['argmax_equal']}", flush=True)  # fmt: skip
-    int4 = {v: out[f"int4 {v}"]["ms"] for v in variants}
-    K4.INT4_VARIANT = min(int4, key=int4.get)  # tune and agree run the faster
-    out["faster_variant"] = K4.INT4_VARIANT
-    print(f"step: int4 {' vs '.join(f'{v} {ms:.4f}' for v, ms in int4.items())} ms; bf16 {out['bf16']['ms']:.4f} ms; "
-          f"faster: {K4.INT4_VARIANT}", flush=True)  # fmt: skip
 
 
 def part_tune(q, results, fill: int, pdl: bool) -> None:
-    """v1's configs (v2's are swept by gemv)."""
-    K4.INT4_VARIANT = "v1"
     c = q.config.text
     emb, pos = step_inputs(q, fill)
     step = DecodeStep(c, q.language_model, pdl=pdl)
@@ -313,15 +263,12 @@ def all_logits(model: Voxtral, embeds, positions, hidden: list | None = None) ->
 def compiled_kernels() -> list[dict]:
     """Registers and spills of every compiled `_gemv_kernel_int4` specialisation (Triton's per-device cache)."""
     out = []
-    caches = [(fn.__name__, c) for fn in (K4._gemv_kernel_int4, K4._gemv_kernel_int4_v2)
-              for c in getattr(fn, "device_caches", {}).values()]  # fmt: skip
-    for name, cache in caches:
+    for cache in getattr(K4._gemv_kernel_int4, "device_caches", {}).values():
         for k in cache[0].values():
             try:
                 consts = {n: v for n, v in k.src.constants.items() if isinstance(v, int | bool)}
                 out.append(
                     {
-                        "kernel": name,
                         "regs": k.n_regs,
                         "spills": k.n_spills,
                         "warps": k.metadata.num_warps,
@@ -389,9 +336,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="check,gemv,step,agree")
     ap.add_argument("--fill", type=int, default=450, help="cache positions already written (step, tune)")
-    ap.add_argument("--quick", action="store_true", help="one config per kind and variant in the gemv sweep")
-    ap.add_argument("--variants", default="v1,v2", help="int4 kernels to run side by side: v1, v2 or both")
-    ap.add_argument("--v1-grid", action="store_true", help="sweep v1's old 13-config grid too (about +1 minute)")
+    ap.add_argument("--quick", action="store_true", help="one config per kind in the gemv sweep")
     args = ap.parse_args()
     parts = args.parts.split(",")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -403,22 +348,16 @@ def main() -> None:
     # four warps over 8 groups and more rows
     grid = [(bn, bg, 1, st) for bn, bg in ((4, 8), (8, 8), (8, 4), (16, 4)) for st in (1, 2)]
     grid += [(4, 16, 2, 2), (8, 16, 2, 2), (16, 8, 4, 1), (16, 8, 4, 2), (8, 8, 4, 2)]
-    v1_grid = grid if args.v1_grid and not args.quick else []  # by default v1 runs at its table's (tuned) config
-    # v2: (rows per thread, subtiles loaded per step, warps splitting K); with each kind's table entry first
-    v2_grid = [] if args.quick else [(4, 1, 1), (4, 2, 1), (4, 3, 1), (8, 1, 1), (4, 2, 2)]
-    variants = args.variants.split(",")
+    grid = [K4.DEFAULT_INT4] if args.quick else grid
     try:
         for part in parts:
             t0 = time.time()
             with torch.no_grad():
                 if part in ("check", "gemv"):
                     cs = cases(m, q)
-                    if part == "check":
-                        part_check(cs, results, variants)
-                    else:
-                        part_gemv(cs, results, variants, v1_grid, v2_grid)
+                    (part_check(cs, results) if part == "check" else part_gemv(cs, results, grid))
                 elif part == "step":
-                    part_step(m, q, results, args.fill, pdl, variants)
+                    part_step(m, q, results, args.fill, pdl)
                 elif part == "tune":
                     part_tune(q, results, args.fill, pdl)
                 elif part == "agree":

@@ -22,15 +22,6 @@ in a 4-warp config (x's per-column work is repeated by every thread that holds t
 with bf16 (2.19 vs 2.23 ms). Reaching the memory floor needs the dequantisation off the scalar pipes: packed
 bf16x2 unpacking in inline PTX, or the codes as a tensor-core operand (Marlin's scheme).
 
-Variant "v2" (`_gemv_kernel_int4_v2`, chosen by `INT4_VARIANT` until measured against v1): the same storage and
-result; per weight one LOP3, one FFMA giving q exactly (v * 16^-p - 2^23 * 16^-p) and one FFMA into the dot (x is
-no longer rescaled per plane); the magic passed as an argument, so the mask is the LOP3's immediate (v1's SASS had
-a MOV per weight); each thread's 4 words per row summed in registers, then the scale and the offset once per row
-and 16 bytes; several tiles' loads issued before any is computed. sm_90 SASS compiled on the CPU: 4.4 instructions
-per weight in the loop at 8 rows per thread, against v1's 5.5. Still three per weight at the core: the memory
-floor (about 4 per weight at full issue on 132 SMs) needs the tensor cores (the codes unpacked to bf16x2 by LOP3
-and fed to mma, Marlin's scheme), not attempted here.
-
 The epilogues, the roundings and the PDL convention are `kernels.py`'s: the first weight tile (codes, scales and
 offsets) is loaded before `griddepcontrol.wait`, and x and the residual are read only after it. No split-K: the
 3B shapes have N >= 3072 rows, so BLOCK_N of 4..16 rows gives 192..32768 programs, enough to fill 132 SMs.
@@ -62,9 +53,6 @@ DEFAULT_INT4 = (8, 4, 4, 1)
 # refuses other globals in a kernel, and Inductor copies constexpr globals into the source it compiles.
 MAGIC = tl.constexpr(0x4B000000)
 MAGIC_F = tl.constexpr(8388608.0)
-# v2 passes the bits as a kernel argument: in a register, so the LOP3 takes the mask as its immediate (as a
-# constant, ptxas put the mask in a register and rematerialised it with a MOV per weight: benchmarks/NOTES.md 33)
-MAGIC_BITS = 0x4B000000
 
 
 def int4_config(kind: str, n: int, k: int, group: int) -> tuple[int, int, int, int]:
@@ -216,210 +204,40 @@ def _gemv_kernel_int4(
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# ---- variant "v2": the same storage, fewer instructions per weight and every tile's loads issued up front ----
-# (BLOCK_N, SUBTILES, num_warps) per kind by (N, K) at group 128: each thread holds BLOCK_N rows x 4 words (16 B
-# per row) of 8 groups per warp; SUBTILES tiles of 8 * num_warps groups are loaded before any is computed (all of
-# K when it fits, so a program has one round trip to memory). Not yet measured: picked from sm_90 SASS compiled on
-# the CPU (no spills; one subtile: 4.4 instructions per weight in the loop at 8 rows, against v1's 5.5) and from
-# the grid size (>= 768 warps on 132 SMs); benchmarks/int4_kernels.py sweeps them.
-INT4_V2_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int]] = {
-    ("rms", 6144, 3072): (4, 3, 1),
-    ("add", 3072, 4096): (4, 2, 1),
-    ("rms_glu", 8192, 3072): (4, 1, 1),
-    ("add", 3072, 8192): (4, 2, 2),
-    ("rms_f32", 131072, 3072): (8, 1, 1),
-}
-DEFAULT_INT4_V2 = (4, 2, 1)
-
-
-def int4_v2_config(kind: str, n: int, k: int, group: int) -> tuple[int, int, int]:
-    return INT4_V2_CONFIGS.get((kind, n, k), DEFAULT_INT4_V2)  # SUBTILES is clamped to K by the launcher
-
-
-@triton.jit
-def _v2_tile(q_ptr, s_ptr, o_ptr, rows, groups, ll, vv, NG: tl.constexpr, WPG: tl.constexpr, V: tl.constexpr, row_ok):
-    """Words [BLOCK_N, BG, L, V] of groups `groups` (none past NG; V consecutive words per thread: one 16-byte
-    load per row), scales and offsets [BLOCK_N, BG, 1, 1] in float32."""
-    r4 = rows[:, None, None, None]
-    g4 = groups[None, :, None, None]
-    ok = row_ok[:, None, None, None] & (g4 < NG)
-    w = tl.load(q_ptr + (r4 * NG + g4) * WPG + ll[None, None, :, None] * V + vv[None, None, None, :], mask=ok, other=0)
-    s = tl.load(s_ptr + r4 * NG + g4, mask=ok, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + r4 * NG + g4, mask=ok, other=0.0).to(tl.float32)
-    return w, s, o
-
-
-@triton.jit
-def _v2_x(x_ptr, g_ptr, groups, ll, vv, sumsq, G: tl.constexpr, NG: tl.constexpr, V: tl.constexpr, NORM: tl.constexpr):
-    """x' (= x * g with NORM) at the tile's columns as 8 planes [1, BG, L, V] float32 (not rescaled: the unpack
-    gives q itself), their sum over planes and V [1, BG, L, 1] (for the offsets), and sumsq += x^2."""
-    WPG: tl.constexpr = G // 8
-    g4 = groups[None, :, None, None]
-    g_ok = g4 < NG
-    xsum = tl.zeros(sumsq.shape, dtype=tl.float32)
-    planes = ()
-    for i in tl.static_range(8):
-        cols = g4 * G + i * WPG + ll[None, None, :, None] * V + vv[None, None, None, :]
-        x = tl.load(x_ptr + cols, mask=g_ok, other=0.0).to(tl.float32)
-        if NORM:
-            sumsq += x * x
-            x = x * tl.load(g_ptr + cols, mask=g_ok, other=0.0).to(tl.float32)
-        xsum += x
-        planes = planes + (x,)
-    return planes, tl.sum(xsum, axis=3, keep_dims=True), sumsq
-
-
-@triton.jit
-def _v2_accumulate(w, s, o, planes, xsum, acc, magic, bias: tl.constexpr):
-    """acc [BLOCK_N, BG, L, 1] += scale * sum(q x') + offset * sum(x'). Per weight: one LOP3 (the code masked into
-    2^23's mantissa: `magic` is a register, so the mask is the LOP3's immediate and nothing is rematerialised), one
-    FFMA giving q exactly (v * 16^-p - 2^23 * 16^-p: both exact), one FFMA into the dot; the scale and the offset
-    once per row and 4 words."""
-    hi = w >> 12
-    dot = tl.zeros(w.shape, dtype=tl.float32)
-    for i in tl.static_range(8):
-        if i < 5:
-            v = ((w & (0xF << (4 * i))) | magic).to(tl.float32, bitcast=True)
-            q = v * (1.0 / (1 << (4 * i))) + bias[i]
-        else:
-            v = ((hi & (0xF << (4 * (i - 3)))) | magic).to(tl.float32, bitcast=True)
-            q = v * (1.0 / (1 << (4 * (i - 3)))) + bias[i - 3]
-        dot += q * planes[i]
-    return acc + tl.sum(dot, axis=3, keep_dims=True) * s + o * xsum
-
-
-# Named with `_gemv_kernel` first, as `_gemv_kernel_int4` (PDL edges, runner/runtime/pdl.py).
-@triton.jit
-def _gemv_kernel_int4_v2(
-    x_ptr,
-    g_ptr,
-    q_ptr,
-    s_ptr,
-    o_ptr,
-    r_ptr,
-    out_ptr,
-    N,
-    magic,
-    K: tl.constexpr,
-    G: tl.constexpr,
-    EPS: tl.constexpr,
-    NORM: tl.constexpr,
-    GLU: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    OUT_F32: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    SUB: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_gemv_kernel_int4`'s result from the same storage. Each loop step loads SUB tiles of BLOCK_G groups (all
-    their weights in flight at once; with K <= SUB * BLOCK_G * G the whole row span is one step), then computes
-    them; the first step's weights are loaded before the PDL wait."""
-    WPG: tl.constexpr = G // 8
-    V: tl.constexpr = 4 if WPG >= 4 else WPG
-    L: tl.constexpr = WPG // V
-    NG: tl.constexpr = K // G
-    STEP: tl.constexpr = BLOCK_G * SUB
-    bias: tl.constexpr = (-8388608.0, -524288.0, -32768.0, -2048.0, -128.0)  # -2^23 * 16^-p
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_ok = rows < N
-    gg = tl.arange(0, BLOCK_G)
-    ll = tl.arange(0, L)
-    vv = tl.arange(0, V)
-    acc = tl.zeros([BLOCK_N, BLOCK_G, L, 1], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_G, L, 1], dtype=tl.float32)
-    sumsq = tl.zeros([1, BLOCK_G, L, V], dtype=tl.float32)
-    for g0 in tl.range(0, NG, STEP):
-        tiles = ()
-        for u in tl.static_range(SUB):
-            w, s, o = _v2_tile(q_ptr, s_ptr, o_ptr, rows, g0 + u * BLOCK_G + gg, ll, vv, NG, WPG, V, row_ok)
-            tiles = tiles + ((w, s, o),)
-            if GLU:  # the up half's rows [N, 2N); without GLU the gate tile again (unused)
-                w, s, o = _v2_tile(q_ptr, s_ptr, o_ptr, rows + N, g0 + u * BLOCK_G + gg, ll, vv, NG, WPG, V, row_ok)
-            tiles = tiles + ((w, s, o),)
-        if PDL:  # the weights are on their way; x and r are the kernel before's outputs (the wait: once per step)
-            ready = tl.multiple_of(_after_predecessor(tl.program_id(0)), 16)
-            x_ptr += ready
-            r_ptr += ready
-        for u in tl.static_range(SUB):
-            planes, xsum, sumsq = _v2_x(x_ptr, g_ptr, g0 + u * BLOCK_G + gg, ll, vv, sumsq, G, NG, V, NORM)
-            w, s, o = tiles[2 * u]
-            acc = _v2_accumulate(w, s, o, planes, xsum, acc, magic, bias)
-            if GLU:
-                w, s, o = tiles[2 * u + 1]
-                acc_up = _v2_accumulate(w, s, o, planes, xsum, acc_up, magic, bias)
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(tl.sum(sumsq, axis=3), axis=2), axis=1), axis=0) / K + EPS)
-        y = y * rstd
-    y = y.to(tl.bfloat16).to(tl.float32)
-    if GLU:
-        up = tl.sum(tl.sum(tl.sum(acc_up, axis=3), axis=2), axis=1)
-        if NORM:
-            up = up * rstd
-        up = up.to(tl.bfloat16).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(tl.bfloat16).to(tl.float32) * up
-    if RESIDUAL:
-        y = y + tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if OUT_F32:
-        tl.store(out_ptr + rows, y, mask=row_ok)
-    else:
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-# Which kernel the ops run: "v1" (`_gemv_kernel_int4`) or "v2" (`_gemv_kernel_int4_v2`); the benchmark times both
-# (benchmarks/int4_kernels.py), the faster stays.
-INT4_VARIANT = "v1"
-
-
 def _launch_int4_gemv(
-    x,
-    qweight,
-    scales,
-    offsets,
-    *,
-    g=None,
-    residual=None,
-    eps=0.0,
-    glu=False,
-    out_f32=False,
-    pdl=False,
-    config=None,
-    variant=None,
+    x, qweight, scales, offsets, *, g=None, residual=None, eps=0.0, glu=False, out_f32=False, pdl=False, config=None
 ):
-    """Launch `_gemv_kernel_int4` (variant "v1": `config` (BLOCK_N, BLOCK_G, num_warps, stages) overrides the
-    table; stages 2 prefetches the next tile into registers) or `_gemv_kernel_int4_v2` (variant "v2": `config`
-    (BLOCK_N, SUBTILES, num_warps)). Without `variant`, INT4_VARIANT."""
+    """Launch `_gemv_kernel_int4`; `config` (BLOCK_N, BLOCK_G, num_warps, stages) overrides the table (sweeps).
+    stages 2: the loop prefetches the next tile into registers (`PREFETCH`)."""
     rows, groups = scales.shape
     n = rows // 2 if glu else rows
     k = qweight.shape[1] * 8
     group = k // groups
     kind = "add" if residual is not None else "rms_glu" if glu else "rms_f32" if out_f32 else "rms"
-    out = torch.empty(n, dtype=torch.float32 if out_f32 else x.dtype, device=x.device)
-    common = dict(EPS=eps, NORM=g is not None, GLU=glu, RESIDUAL=residual is not None, OUT_F32=out_f32, PDL=pdl)
-    ptrs = (x, g if g is not None else x, qweight, scales, offsets, residual if residual is not None else x, out)
-    if (variant or INT4_VARIANT) == "v2":
-        block_n, sub, warps = config or int4_v2_config(kind, n, k, group)
-        wpg = group // 8
-        lanes = 32 // (wpg // 4) if wpg >= 4 else 32  # threads along the groups axis: 4 words per thread
-        block_g = min(lanes * warps, triton.next_power_of_2(groups))
-        sub = max(1, min(sub, triton.cdiv(groups, block_g)))
-        wrap_triton(_gemv_kernel_int4_v2)[(triton.cdiv(n, block_n),)](
-            *ptrs, n, MAGIC_BITS, k, group, BLOCK_N=block_n, BLOCK_G=block_g, SUB=sub, num_warps=warps, **common
-        )
-        return out
     block_n, block_g, warps, stages = config or int4_config(kind, n, k, group)
+    out = torch.empty(n, dtype=torch.float32 if out_f32 else x.dtype, device=x.device)
     wrap_triton(_gemv_kernel_int4)[(triton.cdiv(n, block_n),)](
-        *ptrs,
+        x,
+        g if g is not None else x,  # unused pointers: any tensor
+        qweight,
+        scales,
+        offsets,
+        residual if residual is not None else x,
+        out,
         n,
         k,
         group,
+        EPS=eps,
+        NORM=g is not None,
+        GLU=glu,
+        RESIDUAL=residual is not None,
+        OUT_F32=out_f32,
         BLOCK_N=block_n,
         BLOCK_G=block_g,
         PREFETCH=stages > 1,
+        PDL=pdl,
         num_warps=warps,
         num_stages=stages,
-        **common,
     )
     return out
 

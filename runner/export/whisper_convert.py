@@ -189,8 +189,10 @@ def ct2_to_state(ct2: CT2Model, config: WhisperConfig) -> dict[str, torch.Tensor
 def convert(model_bin: Path) -> tuple[Whisper, WhisperConfig]:
     ct2 = read_ct2(model_bin, expect_spec=SPEC, expect_revision=SPEC_REVISION)
     config = config_from_ct2(ct2)
-    model = Whisper(config)
-    load_state(model, ct2_to_state(ct2, config), source=str(model_bin))  # every key and shape, or one error
+    with torch.device("meta"):  # no default init of weights that are replaced next
+        model = Whisper(config)
+    # every key and shape, or one error; the converted tensors become the parameters
+    load_state(model, ct2_to_state(ct2, config), source=str(model_bin), assign=True)
     return model.eval(), config
 
 

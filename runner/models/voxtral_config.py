@@ -113,6 +113,29 @@ class VoxtralConfig:
             raise ExportError(f"{path}: cannot read config ({e})") from None
 
 
+# mistralai/Voxtral-Small-24B-2507: the audio tower and projector of Voxtral-Mini-3B (Whisper-large-v3-style
+# encoder, 1280 wide, 32 layers, 20 heads, ffn 5120, 128 mel bins, 1500 positions; 4-frame projector), a
+# Mistral-Small-24B text model. The numbers are the hub's config.json (transformers 4.54.0.dev0 wrote it), read in
+# its verbatim copy https://huggingface.co/Abc7347/this/blob/main/config.json ("Duplicate from
+# mistralai/Voxtral-Small-24B-2507"): text_config hidden_size 5120, intermediate_size 32768, num_hidden_layers 40,
+# num_attention_heads 32, num_key_value_heads 8, head_dim 128, vocab_size 131072, rope_theta 100000000.0,
+# rms_norm_eps 1e-05, no biases, SiLU, rope_scaling null; audio_config as the 3B's. Consistent with: the
+# Voxtral paper (arXiv 2507.13264) "Voxtral Small (~24.3B)", this preset counts 24.26 B; the BF16 GGUF
+# of it (huggingface.co/handy-computer/Voxtral-Small-24B-2507-gguf) is 48.54 GB and describes "a Mistral-Small-24B
+# causal LM (40 layers, GQA 32/8 ...)" behind the 3B's encoder and projector; Mistral-Small-3.2-24B-Instruct-2506's
+# config.json has the same text dims and rope_theta. Not Mistral-Small-3.1's rope_theta: 3.1's config says 1e9.
+VOXTRAL_SMALL_24B_TEXT = TextConfig(
+    vocab_size=131072,
+    dim=5120,
+    ffn_dim=32768,
+    n_layers=40,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,  # explicit: 32 heads x 128 = 4096, not hidden_size / heads
+    rope_theta=1e8,
+    norm_eps=1e-5,
+)
+
 # The tiny preset keeps the real audio geometry (128 mel bins, 30 s, 3000 frames, 1500 positions, 375
 # tokens per chunk) so the runtime sees real shapes, with widths small enough to compile on 2 CPU cores.
 PRESETS: dict[str, VoxtralConfig] = {
@@ -121,6 +144,7 @@ PRESETS: dict[str, VoxtralConfig] = {
         text=TextConfig(vocab_size=1024, dim=64, ffn_dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16),
     ),
     "voxtral-mini-3b": VoxtralConfig(),
+    "voxtral-small-24b": VoxtralConfig(text=VOXTRAL_SMALL_24B_TEXT),
 }
 
 

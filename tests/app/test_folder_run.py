@@ -279,6 +279,14 @@ def test_bench_throughput_compares_batch_sizes_on_the_same_files(tiny_batch_bund
     assert main([*argv.split(), "--throughput-files", "4", "--batch", "1,4", "--json", str(path)]) == 0
     table = capsys.readouterr().out
     assert "| 1 |" in table and "| 4 |" in table and "1.00x" in table  # the serial row beside the batched one
-    info = next(r for r in json.loads(path.read_text()) if r["metric"]["name"] == "throughput_wall_ms_b4")
-    info = info["model"]["extra_info"]
+    recs = {r["metric"]["name"]: r for r in json.loads(path.read_text())}
+    info = recs["throughput_wall_ms_b4"]["model"]["extra_info"]
     assert info["throughput_b1_tokens"] == info["throughput_b4_tokens"] == str(4 * 4)
+    # the step alone at each batch (batch 1: the decode step; 4: the batched one), and the steady-state decode
+    # rate the table derives from it: batch / step
+    steps = {b: recs[f"throughput_step_ms_b{b}"]["metric"]["benchmark_values"][0] for b in (1, 4)}
+    assert all(v > 0 for v in steps.values())
+    row4 = next(line for line in table.splitlines() if line.startswith("| 4 |")).split("|")
+    assert float(row4[7]) == pytest.approx(steps[4], abs=1e-3) and float(row4[8]) == pytest.approx(
+        4e3 / steps[4], rel=1e-3
+    )

@@ -56,75 +56,48 @@ def normed(x, norm, eps=1e-5):
     return xd * torch.rsqrt(xd.pow(2).mean() + eps) * norm.double()
 
 
-# ragged rows and groups (masks), one group per tile and several, an odd group count, group sizes below 128 (narrow
-# layers; 32, 16 and 8 put fewer than 4 words of a group in a thread), configs with and without the next tile
-# prefetched, one warp and four; v2: one subtile and several (K loaded in one step, or over several), rows per thread
+# ragged rows and groups (masks), one group per tile and several, group sizes below 128 (narrow layers), configs
+# with and without the next tile prefetched, one warp and four
 SHAPES = [(37, 384, 128), (48, 256, 64), (16, 64, 64)]
-V2_SHAPES = SHAPES + [(24, 640, 128), (20, 96, 32), (12, 48, 16), (9, 40, 8)]
-CONFIGS = [("v1", (8, 1, 4, 1)), ("v1", (4, 2, 1, 2)), ("v1", (16, 4, 4, 2))]
-V2_CONFIGS = [("v2", (8, 1, 1)), ("v2", (4, 3, 1)), ("v2", (2, 2, 2))]
-CASES = [(*shape, *c) for shape in SHAPES for c in CONFIGS] + [(*shape, *c) for shape in V2_SHAPES for c in V2_CONFIGS]
+CONFIGS = [(8, 1, 4, 1), (4, 2, 1, 2), (16, 4, 4, 2)]
 
 
-@pytest.mark.parametrize("n,k,group,variant,config", CASES)
-def test_int4_gemv_add(n, k, group, variant, config):
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_int4_gemv_add(n, k, group, config):
     ql, x, _, r, w = inputs(n, k, group)
-    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, residual=r, config=config, variant=variant)
+    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, residual=r, config=config)
     assert got.dtype == BF16 and got.shape == (n,)
     wx = w @ x.double()
     assert within(got, bf(bf(wx) + r.double()), wx)
 
 
-@pytest.mark.parametrize("n,k,group,variant,config", CASES)
-def test_int4_rms_gemv(n, k, group, variant, config):
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_int4_rms_gemv(n, k, group, config):
     ql, x, norm, _, w = inputs(n, k, group, seed=1)
-    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, config=config, variant=variant)
+    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, config=config)
     assert within(got, bf(w @ normed(x, norm)))
 
 
-@pytest.mark.parametrize(
-    "n,k,group,variant,config",
-    [(*s, "v1", (8, 2, 4, 2)) for s in SHAPES[:2]]
-    + [(*s, "v2", c) for s in SHAPES[:2] for c in ((4, 2, 1), (2, 1, 2))],
-)
-def test_int4_rms_gemv_glu(n, k, group, variant, config):
+@pytest.mark.parametrize("n,k,group", SHAPES[:2])
+def test_int4_rms_gemv_glu(n, k, group):
     """The fused gate_up weight: rows [0, n) gate, [n, 2n) up; out = silu(gate) * up, rounded as kernels.py does."""
     ql, x, norm, _, w = inputs(n, k, group, rows=2, seed=2)
     gate, up = (w @ normed(x, norm)).chunk(2)
     want = bf(bf(F.silu(bf(gate))) * bf(up))
-    got = K4._launch_int4_gemv(
-        x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, glu=True, config=config, variant=variant
-    )
+    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, glu=True, config=(8, 2, 4, 2))
     assert got.shape == (n,) and within(got, want, ulps=3)  # the gate's and up's roundings, then the product's
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
-def test_int4_rms_gemv_float32_logits(variant):
+def test_int4_rms_gemv_float32_logits():
     ql, x, norm, _, w = inputs(40, 256, 128, seed=3)
-    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, out_f32=True, variant=variant)
+    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, out_f32=True)
     assert got.dtype == torch.float32 and within(got, bf(w @ normed(x, norm)))
 
 
-def test_int4_v2_large_inputs_and_constant_groups():
-    """Residual-stream magnitudes (x up to ~1e3) and a constant group (scale clamped to the smallest float): the
-    unpack gives q exactly, so nothing is lost to the 2^23 bias."""
-    ql, x, norm, r, _ = inputs(33, 512, 128, seed=5)
-    with torch.no_grad():
-        ql.scales[3, 1] = torch.finfo(torch.float32).tiny
-        ql.qweight[3, 16:32] = 0
-    w = ql.dequantize(torch.float64)
-    x = (x.float() * 300).to(BF16)
-    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, residual=r, variant="v2")
-    wx = w @ x.double()
-    assert within(got, bf(bf(wx) + r.double()), wx)
-    got = K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, g=norm, eps=1e-5, variant="v2")
-    assert within(got, bf(w @ normed(x, norm)))
-
-
-@pytest.mark.parametrize("variant", ["v1", "v2"])
-def test_int4_ops_are_the_launches(variant, monkeypatch):
-    """The registered ops (what the exported step calls) give the launches' results, with either kernel."""
-    monkeypatch.setattr(K4, "INT4_VARIANT", variant)
+def test_int4_ops_are_the_launches():
+    """The registered ops (what the exported step calls) give the launches' results."""
     ql, x, norm, r, _ = inputs(24, 128, 128, seed=4)
     add = torch.ops.voxtral.int4_gemv_add(x, ql.qweight, ql.scales, ql.offsets, r, False)
     assert torch.equal(add, K4._launch_int4_gemv(x, ql.qweight, ql.scales, ql.offsets, residual=r))

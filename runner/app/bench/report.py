@@ -62,6 +62,8 @@ THROUGHPUT: tuple[Figure, ...] = (
     Figure("throughput_file_p50_ms", "throughput: per-file latency p50", "ms", "lower", "throughput"),
     Figure("throughput_file_p99_ms", "throughput: per-file latency p99", "ms", "lower", "throughput"),
     Figure("throughput_wall_ms", "throughput: wall time after load", "ms", "lower", "throughput"),
+    # one decode step at this batch, timed alone: the per-token latency a sequence sees (batch 1: the graph step)
+    Figure("throughput_step_ms", "throughput: decode step at this batch", "ms", "lower", "throughput"),
 )
 _THROUGHPUT = {f.key: f for f in THROUGHPUT}
 GROUPS = tuple(dict.fromkeys(f.group for f in (*FIGURES, *THROUGHPUT)))  # load, method, e2e, memory, throughput
@@ -419,8 +421,8 @@ def throughput_table(run: BenchRun) -> list[str]:
         "pass per batch size, wall time after load",
         "",
         "| batch | wall (s) | generated tokens/s | RTFx (audio s / s) | per-file p50 (ms) | per-file p99 (ms) | "
-        "tokens/s vs batch 1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "decode step (ms) | decode tokens/s (batch / step) | tokens/s vs batch 1 | step vs batch 1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     errors = []
 
@@ -428,12 +430,14 @@ def throughput_table(run: BenchRun) -> list[str]:
         s = ours.summary(throughput_key(key, batch))
         return s.median if s else None
 
-    serial = value("throughput_decode_tokens_per_s", 1)
+    serial, serial_step = value("throughput_decode_tokens_per_s", 1), value("throughput_step_ms", 1)
     for b in throughput_batches(ours):
         if (err := ours.info.get(f"throughput_b{b}_error")) is not None:
             errors.append(f"batch {b}: not measured: {err}")
             continue
-        rate, wall = value("throughput_decode_tokens_per_s", b), value("throughput_wall_ms", b)
+        rate, wall, step = (
+            value(k, b) for k in ("throughput_decode_tokens_per_s", "throughput_wall_ms", "throughput_step_ms")
+        )
         cells = [
             f"{wall / 1e3:.2f}" if wall is not None else "–",
             f"{rate:.1f}" if rate is not None else "–",
@@ -441,7 +445,10 @@ def throughput_table(run: BenchRun) -> list[str]:
                 f"{v:.1f}" if (v := value(k, b)) is not None else "–"
                 for k in ("throughput_rtfx", "throughput_file_p50_ms", "throughput_file_p99_ms")
             ),
+            f"{step:.3f}" if step is not None else "–",
+            f"{b * 1e3 / step:.1f}" if step else "–",  # every row decoding: the steady state between prefills
             f"{rate / serial:.2f}x" if rate is not None and serial else "–",
+            f"{step / serial_step:.2f}x" if step is not None and serial_step else "–",
         ]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return lines + [f"\n{e}" for e in errors]

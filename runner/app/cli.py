@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from runner.app.bench.args import add_arguments as add_bench  # the flags only, no torch
+from runner.app.inspect_bundle import add_arguments as add_inspect  # the flags only, no torch
 from runner.app.options import Environment, runtime_options
 from runner.app.run_args import add_arguments as add_run  # the flags only, no torch
 from runner.app.stream import add_arguments as add_stream  # the flags only, no torch
@@ -225,109 +226,6 @@ def _run_loaded(args: argparse.Namespace, work) -> int:
         return run_files(program, args, load, work, live=sys.stderr.isatty())
 
 
-# ---------------------------------------------------------------- inspect
-
-
-def add_inspect(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bundle", type=Path, help="bundle directory")
-    p.add_argument("--json", action="store_true", help="print the raw manifest")
-    p.add_argument("--no-verify", action="store_true", help="skip the digest check")
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from runner.bundle import MANIFEST_NAME, DigestCache, read_manifest, verify_bundle
-
-    digests = DigestCache(args.env.cache_dir / "digests.json", rehash=args.env.rehash)
-    manifest = read_manifest(args.bundle) if args.no_verify else verify_bundle(args.bundle, digests=digests)
-    if args.json:
-        print((args.bundle / MANIFEST_NAME).read_text(), end="")
-        return 0
-    render_manifest(manifest, args.bundle, verified=not args.no_verify)
-    return 0
-
-
-def render_manifest(manifest, bundle: Path, verified: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    m, c = manifest.model, manifest.model["config"]
-    console = Console()
-    console.print(f"[bold]{bundle}[/bold]  format v{manifest.format_version}, {manifest.created_by}")
-    console.print(
-        f"built with torch {manifest.torch_version} for {manifest.device}"
-        f"{' ' + manifest.gpu_arch if manifest.gpu_arch else ''}, dtype {manifest.dtype}"
-    )
-    src = m.get("source", {})
-    console.print(
-        f"model: {m.get('family')} from {src.get('kind')} {src.get('name')}"
-        f"{' seed ' + str(src['seed']) if src.get('seed') is not None else ''}; "
-        f"text {c['text']['n_layers']}x{c['text']['dim']} ({c['text']['n_heads']} heads, "
-        f"{c['text']['n_kv_heads']} kv), audio {c['audio']['n_layers']}x{c['audio']['dim']}, "
-        f"vocab {c['text']['vocab_size']}"
-    )
-    per_chunk = (
-        f"{m['tokens_per_chunk']} decoder positions per chunk"
-        if m["tokens_per_chunk"]
-        else "cross-attended: no decoder positions"
-    )
-    console.print(
-        f"context {m['max_seq_len']} tokens, audio up to {m['max_audio_chunks']} x 30 s per encoder call ({per_chunk})"
-    )
-    console.print(capacity_line(m), highlight=False)
-    if m.get("family", "voxtral") == "voxtral":
-        console.print(batch_line(m), highlight=False)
-    console.print(quant_line(m.get("quant")), highlight=False)
-    console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
-    methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
-    for name, spec in manifest.methods.items():
-        methods.add_row(
-            name,
-            "\n".join(t.describe() for t in spec.inputs),
-            "\n".join(t.describe() for t in spec.outputs),
-            str(len(spec.state) or ""),
-            spec.library,
-        )
-    console.print(methods)
-    files = Table("file", "bytes", "sha256", title="files" + (" (digests verified)" if verified else ""))
-    for name, f in manifest.files.items():
-        files.add_row(name, f"{f.size:,}", f.sha256[:16] + "…")
-    console.print(files)
-
-
-def quant_line(quant: dict | None) -> str:
-    """The manifest's `quant` record (runner/export/quant.py) in one line; bundles from before it: none."""
-    if not quant:
-        return "weights: unquantised (the bundle's dtype)"
-    return (
-        f"weights: {quant['scheme']} weight-only, groups of {quant['group_size']}, "
-        f"{'symmetric' if quant['symmetric'] else 'asymmetric (scale + offset)'} in {quant['scale_dtype']}, "
-        f"{quant['n_linear']} linear layers ({', '.join(quant['modules'])}); the rest unquantised"
-    )
-
-
-def batch_line(model: dict) -> str:
-    """How many files one decode step takes (manifest `max_batch`; bundles from before it: one)."""
-    n = model.get("max_batch", 1)
-    if n > 1:
-        return f"batch: up to {n} files decoded at once (text_decoder_batch; run --batch N, N <= {n})"
-    return "batch: one file at a time (export with --max-batch N to decode N at once)"
-
-
-def capacity_line(model: dict) -> str:
-    """How long audio one prompt takes and what happens beyond it (bundles from before `capacity`: worked out)."""
-    chunks, per_chunk = model.get("max_audio_chunks", 1), model.get("tokens_per_chunk") or 0
-    cap = model.get("capacity") or {"audio_seconds": chunks * 30, "audio_positions": chunks * per_chunk}
-    minutes, seconds = divmod(cap["audio_seconds"], 60)
-    length = " ".join(([f"{minutes} min"] if minutes else []) + ([f"{seconds} s"] if seconds or not minutes else []))
-    detail = [f"{cap['audio_positions']} decoder positions"] if per_chunk else []
-    detail += [f"{cap['answer_positions']} left for the answer"] if "answer_positions" in cap else []
-    chat = "; a --prompt takes at most that" if model.get("family", "voxtral") == "voxtral" else ""
-    return (
-        f"capacity: {length} of audio in one prompt{' (' + ', '.join(detail) + ')' if detail else ''}; "
-        f"longer audio is transcribed in windows{chat}"
-    )
-
-
 def _regenerate(bundle: Path) -> int:
     from rich.console import Console
 
@@ -405,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = {
         "export": (add_export, cmd_export, "build a bundle (.so per method, weights, model.pte)"),
         "run": (add_run, cmd_run, "transcribe / answer about audio files with a bundle"),
-        "inspect": (add_inspect, cmd_inspect, "show a bundle's manifest"),
+        "inspect": (add_inspect, _verb("runner.app.inspect_bundle"), "show a bundle's manifest"),
         "bench": (add_bench, _verb("runner.app.bench.verb"), "time a bundle beside the eager model"),
         "fetch": (add_fetch, _verb("runner.app.fetch"), "download a bundle artifact from a GitHub Actions run"),
         "stream": (add_stream, _verb("runner.app.stream"), "transcribe audio as it arrives (voxtral-realtime bundles)"),

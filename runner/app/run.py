@@ -11,12 +11,13 @@ import json
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from runner.app import wer
+from runner.app.e2e_summary import E2ESummary, FileRow, md_text
 from runner.app.folder import Progress, Work
 from runner.errors import RunnerError
 from runner.families import family_for
@@ -65,67 +66,6 @@ def compare_with_reference(
     if opts.temperature > 0:
         ok = err <= (1e-3 if dtype == torch.float32 else 5e-2) * max(scale, 1.0)
     return ReferenceReport(first, err, scale, tie, ok)
-
-
-@dataclass
-class FileRow:
-    """One file's line in the e2e job summary: "–" where a check was not asked for."""
-
-    file: str
-    text: str
-    golden: str = "–"
-    expected: str = "–"
-    wer: str = "–"
-    reference: str = "–"
-
-
-@dataclass
-class E2ESummary:
-    title: str
-    settings: str
-    files: int  # how many were asked for
-    rows: list[FileRow] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def markdown(self, failures: list[str], stopped: BaseException | None = None) -> str:
-        lines = [f"### {self.title}", "", self.settings, ""]
-        lines += [
-            "| file | text | golden tokens | expected text | WER | eager reference |",
-            "|---|---|---|---|---:|---|",
-        ]
-        lines += [
-            f"| `{r.file}` | {_md(_cut(r.text))} | {r.golden} | {r.expected} | {r.wer} | {r.reference} |"
-            for r in self.rows
-        ]
-        lines.append("")
-        lines += [f"{n}" for n in self.notes]
-        if stopped is not None:
-            why = " ".join(f"{type(stopped).__name__}: {stopped}".split())[:300]
-            lines.append(f"**stopped after {len(self.rows)} of {self.files} file(s)**: {_md(why)}")
-        elif failures:
-            lines.append(f"**{len(failures)} failure(s)**:")
-            lines += [f"- {_md(f)}" for f in failures[:10]]
-            if len(failures) > 10:
-                lines.append(f"- and {len(failures) - 10} more")
-        else:
-            lines.append(f"all {len(self.rows)} file(s) pass")
-        return "\n".join(lines) + "\n\n"
-
-
-TEXT_CELL = 60  # characters of each transcript in the summary
-
-
-def _cut(text: str, n: int = TEXT_CELL) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
-def _md(text: str) -> str:
-    """Plain text in a markdown table cell: markdown's punctuation escaped, no line breaks."""
-    text = " ".join(text.split())
-    for ch in "\\`*_[]<>|#":
-        text = text.replace(ch, "\\" + ch)
-    return text or "(empty)"
 
 
 def _reference_cell(rep: ReferenceReport, opts: GenerationOptions) -> str:
@@ -198,7 +138,7 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats, work: Wor
                     e = done.error
                     msg = str(e) if str(path) in str(e) else f"{path}: {e}"  # the line names the file at fault
                     failures.append(msg)
-                    summary.rows.append(FileRow(Path(path).name, f"**error**: {_md(msg)[:120]}"))
+                    summary.rows.append(FileRow(Path(path).name, f"**error**: {md_text(msg)[:120]}"))
                     if quiet:
                         say(f"error: {msg}")
                         announced.add(msg)
@@ -400,7 +340,7 @@ def _summary_for(program: Program, args: argparse.Namespace, opts: GenerationOpt
     sampling = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature:g}, top-p {opts.top_p:g}"
     checks = [
         *([f"golden tokens `{Path(args.expect_tokens).name}`"] if args.expect_tokens else []),
-        *([f"expected text {_md(repr(args.expect))}"] if args.expect else []),
+        *([f"expected text {md_text(repr(args.expect))}"] if args.expect else []),
         *([f"WER against `{Path(args.wer).name}`"] if getattr(args, "wer", None) else []),
         *(["the eager reference"] if args.reference else []),
     ]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.app.cli import quant_line
+from runner.app.inspect_bundle import quant_line
 from runner.errors import ExportError
 from runner.export.pipeline import ExportOptions, cache_key
 from runner.export.quant import GROUP_SIZE, LEVELS, PATTERNS, apply_quant, pack, quantize, quantize_linear

@@ -30,7 +30,7 @@ from json_paths import mutate  # noqa: E402
 from json_paths import paths as json_paths  # noqa: E402
 
 with atheris.instrument_imports():
-    from runner.app.cli import render_manifest
+    from runner.app.inspect_bundle import render_manifest
     from runner.bundle import MANIFEST_NAME, Manifest, verify_bundle
     from runner.errors import BundleError, RunnerError
     from runner.families import family_for

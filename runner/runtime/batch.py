@@ -22,17 +22,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.audio import SAMPLE_RATE
+from runner.audio import pad_to_chunks
 from runner.errors import AudioError, GenerationError, TokenizerError
-from runner.runtime.engine import BatchEngine, check_features
+from runner.runtime.engine import NON_FINITE_FEATURES, BatchEngine, check_features, to_encoder_dtype
 from runner.runtime.generate import (
     AudioSegment,
+    EncodedAudio,
     GenerationOptions,
     GenerationResult,
     MultimodalRunner,
     Prompt,
     Sampler,
     answer_room,
+    audio_seconds,
 )
 from runner.runtime.results import join_results, window_result
 from runner.stats import Stats, now_ms
@@ -142,17 +144,19 @@ class _Batcher:
     def run(self, jobs: Iterator[Job]) -> Iterator[JobResult]:
         pending = True  # jobs left in the iterator
         while True:
-            while None in self.slots and (self.queue or pending):
-                if not self.queue:
-                    job = next(jobs, None)
-                    if job is None:
-                        pending = False
-                        break
-                    if not job.windows:
-                        self.done.append(JobResult(job, None, GenerationError("empty prompt: nothing to prefill")))
-                        continue
+            free = self.slots.count(None)
+            while len(self.queue) < free and pending:
+                job = next(jobs, None)
+                if job is None:
+                    pending = False
+                elif not job.windows:
+                    self.done.append(JobResult(job, None, GenerationError("empty prompt: nothing to prefill")))
+                else:
                     self.queue.append((_Work(job), 0))
-                self._admit(*self.queue.popleft())
+            admitting = [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
+            start = now_ms()  # each one's TTFT counts the shared encoder call
+            for (work, _), window in zip(admitting, self._encode([w.job.windows[i] for w, i in admitting])):
+                self._admit(work, window, start)
             yield from self._drain()
             if not any(self.slots):
                 if not self.queue and not pending:
@@ -165,14 +169,57 @@ class _Batcher:
         while self.done:
             yield self.done.pop(0)
 
-    def _admit(self, work: _Work, index: int) -> None:
-        """Prefill window `index` of the job at batch 1 and take its first token; a sequence not done at once
-        moves into the lowest free slot."""
-        e, opts, window = self.e, self.opts, work.job.windows[index]
+    def _encode(self, windows: list[Prompt]) -> list[Prompt | Exception]:
+        """The prompts about to take free slots with their audio through the encoder together: each file's
+        features on their own (one log-mel per recording, as the serial path computes them), then the chunks of
+        all of them in as few encoder calls as `max_audio_chunks` allows (a chunk is encoded on its own, so the
+        split does not change it). Each prompt comes back with its audio as EncodedAudio, or its own error."""
+        e = self.e
+        out: list[Prompt | Exception] = list(windows)
+        mels: list[tuple[int, int, torch.Tensor, int]] = []  # (prompt, segment, mel [k, n_mels, 3000], samples)
+        for i, window in enumerate(windows):
+            try:
+                for j, seg in enumerate(window):
+                    if isinstance(seg, AudioSegment) and seg.window is None:
+                        wave = torch.from_numpy(pad_to_chunks(seg.samples, e.max_audio_chunks)).to(e.device)
+                        mel = e.preprocess(wave)
+                        if not bool(torch.isfinite(mel).all()):  # this file's fault, found before its prefill
+                            raise AudioError(NON_FINITE_FEATURES)
+                        mels.append((i, j, mel, seg.num_samples))
+            except JOB_ERRORS as err:
+                out[i] = err
+        mels = [m for m in mels if not isinstance(out[m[0]], Exception)]
+        if not mels:
+            return out
+        chunks = torch.cat([m[2] for m in mels])
+        embeds = torch.cat(
+            [
+                e.encode(to_encoder_dtype(chunks[c : c + e.max_audio_chunks], e.encoder_dtype))
+                for c in range(0, len(chunks), e.max_audio_chunks)
+            ],
+            dim=1,
+        )  # [1, all chunks * tokens per chunk, H]
+        per_chunk = embeds.shape[1] // len(chunks)
+        at = 0
+        for i, j, mel, samples in mels:
+            n = len(mel) * per_chunk
+            window = list(out[i])
+            window[j] = EncodedAudio(embeds[:, at : at + n], samples)
+            out[i] = window
+            at += n
+        return out
+
+    def _admit(self, work: _Work, window: Prompt | Exception, start: float) -> None:
+        """Prefill one window of the job at batch 1 (its audio already encoded) and take its first token; a
+        sequence not done at once moves into the lowest free slot."""
+        e, opts = self.e, self.opts
+        if isinstance(window, Exception):
+            self.done.append(JobResult(work.job, None, window))
+            return
         stats = work.stats()
-        stats.audio_seconds = sum(s.num_samples for s in window if isinstance(s, AudioSegment)) / SAMPLE_RATE
+        stats.audio_seconds = audio_seconds(window)
         e.reset()  # the prefill's cache starts empty; the slots keep the sequences in flight
-        stats.inference_start_ms = now_ms()  # TTFT is measured from here: the job's own prefill
+        stats.inference_start_ms = start  # TTFT is measured from here: the job's own encoder call
         try:
             logits, prompt_ids = self.runner.prefill(window)
             stats.prompt_eval_end_ms = now_ms()
@@ -188,7 +235,7 @@ class _Batcher:
             token = int(seq.sampler(logits))
             stats.aggregate_sampling_time_ms += now_ms() - t0
             stats.first_token_ms = now_ms()
-            check_features(e)  # non-finite features: the job's error, before its cache reaches a slot
+            check_features(e)  # audio the prefill encoded itself (encoded audio was checked in _encode)
         except JOB_ERRORS as err:
             self.done.append(JobResult(work.job, None, err))
             return

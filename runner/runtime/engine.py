@@ -34,6 +34,12 @@ class Engine(Protocol):
     def run_prefill(self, compute, inputs: list[torch.Tensor]): ...  # compute(engine, *inputs), maybe graphed
 
 
+NON_FINITE_FEATURES = (
+    "the audio's log-mel features are not finite (NaN or Inf): its samples are too large for the preprocessor "
+    "(normalise the audio to [-1, 1])"
+)
+
+
 class BatchEngine(Engine, Protocol):
     """An Engine that also decodes several sequences in one step (runner/runtime/batch.py): each in a slot of its
     own KV cache, separate from the cache a prompt is prefilled into. `reset()` leaves the slots alone."""
@@ -131,10 +137,7 @@ class ProgramEngine:
         """Raise AudioError if a feature of the prompt just prefilled was NaN or Inf (finite samples of huge
         amplitude overflow the log-mel): the encoder would run on NaN and the decoder pick token 0."""
         if not bool(self._features_host):
-            raise AudioError(
-                "the audio's log-mel features are not finite (NaN or Inf): its samples are too large for the "
-                "preprocessor (normalise the audio to [-1, 1])"
-            )
+            raise AudioError(NON_FINITE_FEATURES)
 
     def encode(self, mel):
         out = self._run(self._enc, mel)

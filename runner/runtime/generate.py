@@ -67,8 +67,22 @@ class AudioSegment:
         return min(N_SAMPLES, max(0, len(self.samples) - self.window * N_SAMPLES))
 
 
-Segment = TextSegment | AudioSegment
+@dataclass(frozen=True)
+class EncodedAudio:
+    """Audio already through the encoder: its embeddings [1, n, H] on the device, and the samples they stand for.
+    The batch runner encodes the chunks of several files in one call, then prefills each (runner/runtime/batch.py)."""
+
+    embeds: torch.Tensor
+    num_samples: int
+
+
+Segment = TextSegment | AudioSegment | EncodedAudio
 Prompt = list[Segment]  # one decoder context
+
+
+def audio_seconds(segments: list[Segment]) -> float:
+    """The seconds of audio a prompt stands for."""
+    return sum(s.num_samples for s in segments if not isinstance(s, TextSegment)) / SAMPLE_RATE
 
 
 def stage(segments: list[Segment], device: str, audio_chunks: int, window_mel=None) -> list[torch.Tensor]:
@@ -76,15 +90,18 @@ def stage(segments: list[Segment], device: str, audio_chunks: int, window_mel=No
     most `audio_chunks`), all copied before any compute is queued: a copy from pageable host memory synchronises
     the stream, so one made after the audio encoder is queued would wait for it. A recording's window (Whisper)
     is its features [1, n_mels, 3000], from `window_mel(samples, window)` (RecordingFeatures.window) after the
-    copies."""
-    staged = [
-        torch.tensor([s.ids], dtype=torch.int64).to(device)
-        if isinstance(s, TextSegment)
-        else None
-        if s.window is not None
-        else torch.from_numpy(pad_to_chunks(s.samples, audio_chunks)).to(device)
-        for s in segments
-    ]
+    copies; encoded audio is its embeddings, already on the device."""
+
+    def on_device(s: Segment) -> torch.Tensor | None:
+        if isinstance(s, TextSegment):
+            return torch.tensor([s.ids], dtype=torch.int64).to(device)
+        if isinstance(s, EncodedAudio):
+            return s.embeds  # already there
+        if s.window is not None:
+            return None  # its features, after the copies
+        return torch.from_numpy(pad_to_chunks(s.samples, audio_chunks)).to(device)
+
+    staged = [on_device(s) for s in segments]
     if window_mel is None and any(x is None for x in staged):
         raise GenerationError("a recording's window needs the recording's features: stage(..., window_mel=...)")
     return [window_mel(s.samples, s.window) if x is None else x for s, x in zip(segments, staged)]
@@ -156,6 +173,9 @@ def prefill_compute(e: Engine, segments: list[Segment], inputs) -> tuple[torch.T
         if isinstance(seg, TextSegment):
             check_fits(e, n, len(seg.ids))  # before embedding: the method refuses long ids
             parts.append(e.embed(x))
+        elif isinstance(seg, EncodedAudio):
+            check_fits(e, n, x.shape[1])
+            parts.append(x)
         else:
             mel = x if seg.window is not None else e.preprocess(x)  # a window's input is already its features
             audio = e.encode(to_encoder_dtype(mel, e.encoder_dtype))
@@ -275,7 +295,7 @@ class MultimodalRunner:
 
     def _generate(self, segments, opts: GenerationOptions, on_text, stats: Stats, forced) -> GenerationResult:
         e = self.engine
-        stats.audio_seconds = sum(s.num_samples for s in segments if isinstance(s, AudioSegment)) / SAMPLE_RATE
+        stats.audio_seconds = audio_seconds(segments)
         sampler, stream = Sampler(opts, e.device), StreamDecoder(self.tok)
         tokens: list[int] = []
         recorded: list[torch.Tensor] = []

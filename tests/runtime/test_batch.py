@@ -86,6 +86,24 @@ def test_greedy_tokens_at_batch_4_equal_batch_1_with_more_files_than_slots(progr
     assert keys.index(long_file) > keys.index(paths[6])
 
 
+def test_the_files_taking_free_slots_share_encoder_calls_and_keep_their_tokens(program):
+    """Four one-chunk files into four free slots: their chunks go through the encoder together, as many a call as
+    the bundle takes (2 here), not one call per file; each file's features are still its own log-mel."""
+    runner = runner_for(program)
+    jobs = jobs_for(runner, [AUDIO / f for f in ("speech.wav", "short.wav", "silence.wav", "speech_48k_stereo.wav")])
+    calls = []
+    encode = runner.engine.encode
+    runner.engine.encode = lambda mel: (calls.append(mel.shape[0]), encode(mel))[1]
+    serial = by_key(generate_many(runner, jobs, GenerationOptions(max_new_tokens=16), batch=1))
+    assert calls == [1, 1, 1, 1]
+    calls.clear()
+    batched = by_key(generate_many(runner, jobs, GenerationOptions(max_new_tokens=16), batch=4))
+    assert calls == [2, 2]  # max_audio_chunks 2: four chunks in two calls
+    for job in jobs:
+        assert batched[job.key].result.tokens == serial[job.key].result.tokens
+        assert batched[job.key].result.prompt_ids == serial[job.key].result.prompt_ids
+
+
 def test_a_bad_job_in_the_middle_yields_its_error_and_the_rest_go_on(program, tmp_path):
     runner = runner_for(program)
     loud = tmp_path / "loud.wav"  # finite samples whose log-mel overflows: an AudioError after its prefill

@@ -29,7 +29,8 @@ import torch
 
 from runner.audio import SAMPLE_RATE
 from runner.errors import RunnerError
-from runner.families.voxtral_realtime import GraphSteps, Stream, StreamBatch, graph_sizes, program_steps
+from runner.families.voxtral_realtime import GraphSteps, Stream, StreamBatch, program_steps
+from runner.runtime.graphs import batch_sizes
 
 WARMUP_STEPS = 5
 TARGETS = {  # the issue's, for a 4B bf16 bundle on an H200
@@ -226,7 +227,7 @@ def _say(msg: str) -> None:
 
 def _sizes(text: str | None, streams: int) -> list[int]:
     if text is None:
-        return graph_sizes(streams)
+        return batch_sizes(streams)
     try:
         sizes = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:

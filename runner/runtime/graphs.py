@@ -83,7 +83,8 @@ class DecodeGraph:
 
 
 def batch_sizes(max_batch: int) -> list[int]:
-    """The batches captured for a batched step: powers of two below max_batch, and max_batch."""
+    """The batch sizes captured as CUDA graphs for a batched step (the decode slots here, the realtime streams):
+    powers of two below max_batch, and max_batch."""
     sizes, b = [], 1
     while b < max_batch:
         sizes.append(b)

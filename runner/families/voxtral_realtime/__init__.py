@@ -27,7 +27,7 @@ from runner.families.voxtral_realtime.session import (
     run_together,
     run_whole,
 )
-from runner.families.voxtral_realtime.steps import METHODS, GraphSteps, ProgramSteps, graph_sizes, program_steps
+from runner.families.voxtral_realtime.steps import METHODS, GraphSteps, ProgramSteps, program_steps
 from runner.runtime.detokenize import StreamDecoder
 
 NAME = "voxtral-realtime"
@@ -47,7 +47,6 @@ __all__ = [
     "StreamSession",
     "StreamSpec",
     "blocks_of",
-    "graph_sizes",
     "program_steps",
     "run_fed",
     "run_step",

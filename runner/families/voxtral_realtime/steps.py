@@ -13,7 +13,7 @@ import logging
 import torch
 
 from runner.errors import GenerationError
-from runner.runtime.graphs import CaptureError, capture_graph
+from runner.runtime.graphs import CaptureError, batch_sizes, capture_graph
 from runner.runtime.program import Method
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,6 @@ class ProgramSteps:
                     t[rows] = 0
 
 
-def graph_sizes(streams: int) -> list[int]:
-    sizes, b = [], 1
-    while b < streams:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, streams]
-
-
 def _graph_safe(method: Method, *inputs: torch.Tensor) -> torch.Tensor:
     """The method on the caller's current stream through `...RunSingleThreaded` (capturable)."""
     return method.backend.execute(method.handle, list(inputs), graph_safe=True)[0]
@@ -101,7 +93,7 @@ class GraphSteps(ProgramSteps):
             raise GenerationError(f"{program.bundle_dir}: CUDA graphs need a CUDA bundle")
         self.graphs: dict[int, _Graphs] = {}
         try:
-            for b in graph_sizes(self.streams):
+            for b in batch_sizes(self.streams):
                 self.graphs[b] = _Graphs(self, b, window)
         except CaptureError as e:
             raise GenerationError(f"{program.bundle_dir}: the step could not be captured as a CUDA graph ({e})") from e

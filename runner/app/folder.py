@@ -102,9 +102,10 @@ def text_line_of(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
-def collect(args: argparse.Namespace) -> list[Path]:
-    """--audio files, then each --audio-dir's, then each --audio-list's, in that order; a file named twice
-    runs once (the first time)."""
+def collect(args: argparse.Namespace, unique: bool) -> list[Path]:
+    """--audio files, then each --audio-dir's, then each --audio-list's, in that order. `unique` (with --out: a
+    results file holds one record per file): a file named twice runs once, the first time; without it every
+    name runs, as `run --audio A --audio A` always has (one record each)."""
     paths = list(args.audio or [])
     if args.audio_dir:
         suffixes = audio_suffixes()
@@ -114,6 +115,8 @@ def collect(args: argparse.Namespace) -> list[Path]:
         paths += read_list(lst)
     if not paths:
         raise RunnerError("no audio: give --audio FILE, --audio-dir DIR or --audio-list FILE")
+    if not unique:
+        return paths
     seen, out = set(), []
     for p in paths:
         if (k := file_key(str(p))) not in seen:
@@ -342,7 +345,7 @@ def prepare(args: argparse.Namespace) -> Work:
     """The files, the --batch and --out checks and what --out already holds: all before the program loads."""
     if args.batch < 1:
         raise RunnerError(f"--batch {args.batch}: must be at least 1 (1: one file after another)")
-    paths = collect(args)
+    paths = collect(args, unique=args.out is not None)
     out = ResultsFile.open(args.out) if args.out is not None else None
     if out is None:
         return Work(paths, paths, None)

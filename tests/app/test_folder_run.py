@@ -77,6 +77,10 @@ def test_a_folder_gives_one_record_per_file_with_the_tokens_of_run_audio(tiny_bu
         assert r["text"] == want["text"] and set(want) <= set(r)
     err = capsys.readouterr().err
     assert "progress: 3/3 files" in err and "done: 3 file(s)" in err
+    # without --out every name runs, a file named twice too (one record each, as run --audio always gave)
+    assert run(tiny_bundle, "--audio", folder / "speech.wav", "--audio-dir", folder, "--json") == 0
+    names = [Path(json.loads(line)["audio"]).name for line in capsys.readouterr().out.splitlines()]
+    assert names == ["speech.wav", "short.wav", "silence.wav", "speech.wav"]
 
     # --recursive takes the subfolder's file as well, and only it is new
     assert run(tiny_bundle, "--audio-dir", folder, "--recursive", "--out", out) == 0

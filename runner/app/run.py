@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -284,26 +283,13 @@ def file_results(
                 continue
             yield Job(path, windows, load)
 
-    results = _streamed(runner, jobs(), opts, on_text) if on_text else generate_many(runner, jobs(), opts, args.batch)
+    results = generate_many(runner, jobs(), opts, args.batch, on_text=on_text)
     for r in results:
         while failed:
             yield failed.popleft()
         yield r
     while failed:
         yield failed.popleft()
-
-
-def _streamed(
-    runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptions, on_text: Callable[[str], None]
-) -> Iterator[JobResult]:
-    """generate_many at batch 1, with each file's text streamed as its tokens come (generate_many has no
-    per-job text callback)."""
-    for job in jobs:
-        stats = copy.copy(job.stats) if job.stats is not None else Stats()
-        try:
-            yield JobResult(job, runner.generate_windows(job.windows, opts, on_text=on_text, stats=stats))
-        except JOB_ERRORS as e:
-            yield JobResult(job, None, e)
 
 
 def window_records(result: GenerationResult) -> list[dict]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -58,15 +58,22 @@ class JobResult:
 
 
 def generate_many(
-    runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptions, batch: int = 1
+    runner: MultimodalRunner,
+    jobs: Iterable[Job],
+    opts: GenerationOptions,
+    batch: int = 1,
+    on_text: Callable[[str], None] | None = None,
 ) -> Iterator[JobResult]:
     """Each job's result as it finishes. A job that fails (bad audio, a prompt over the context) yields its error
-    and the others go on. `batch` sequences decode at once (1: one after another)."""
+    and the others go on. `batch` sequences decode at once (1: one after another, each job's text streamed to
+    `on_text` as it is generated; several at once interleave, so a batch has no stream)."""
     if batch < 1:
         raise GenerationError(f"--batch {batch}: must be at least 1")
     if batch == 1:
-        yield from _serial(runner, jobs, opts)
+        yield from _serial(runner, jobs, opts, on_text)
         return
+    if on_text is not None:
+        raise GenerationError(f"--batch {batch}: texts are not streamed while several files decode at once")
     slots = getattr(runner.engine, "max_batch", 1)
     if batch > slots:
         exported = f"exported with --max-batch {slots}" if slots > 1 else "exported without --max-batch"
@@ -78,11 +85,13 @@ def generate_many(
         yield from _Batcher(runner, opts, batch).run(iter(jobs))
 
 
-def _serial(runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptions) -> Iterator[JobResult]:
+def _serial(
+    runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptions, on_text: Callable[[str], None] | None
+) -> Iterator[JobResult]:
     for job in jobs:
         stats = copy.copy(job.stats) if job.stats is not None else Stats()
         try:
-            result = runner.generate_windows(job.windows, opts, stats=stats)
+            result = runner.generate_windows(job.windows, opts, on_text=on_text, stats=stats)
         except JOB_ERRORS as e:
             yield JobResult(job, None, e)
             continue

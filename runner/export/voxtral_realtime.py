@@ -25,7 +25,15 @@ from runner.bundle import StateSpec
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource, hf_weight_files, no_weights, read_weights
 from runner.export.methods import MethodPlan, dtype_name, method_spec
-from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
+from runner.export.pipeline import (
+    DTYPES,
+    ExportOptions,
+    ExportReport,
+    build_bundle,
+    free_storage,
+    prepare,
+    source_digest,
+)
 from runner.families.voxtral import Tekken
 from runner.families.voxtral_realtime import NAME, SPECIAL_TOKENS
 from runner.fixtures import fixtures_dir
@@ -124,34 +132,16 @@ _TRACED: list[torch.nn.Module] = []
 
 
 def _release_previous_trace() -> None:
-    """Free what the last method's compile still holds. torch.export keeps its last trace's nodes in a module-level
-    map until the next trace (torch 2.13: proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT; torch 2.11 holds
-    them elsewhere); they hold the compiled graph, and with it AOTInductor's copy of every buffer (compile_fx.
-    _unlift_graph clones them into the graph module's meta, `NAME__original__`) and the exported program's state
-    dict (our state). At 4B that is 2 x 55.8 GB for the decoder's 64 stream slots, and it must be gone before the
-    next state is allocated: measured on torch 2.11, clearing the map alone left it held (CUDA OOM compiling
-    encoder_step). So the memory is released whoever still holds the tensors: the storages of our traced state
-    and of every such clone are shrunk to nothing (the compile that used them is over)."""
-    from torch.fx.experimental import proxy_tensor
-
-    getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
+    """Free the state the last step was traced over (max_streams slots: 55.8 GB for the 4B decoder's 64). torch
+    keeps the last trace, and the exported program's state dict with it, alive after the compile (torch 2.11), so
+    its storage is shrunk to nothing; the pipeline frees AOTInductor's clone of it (release_compile_copies)."""
     while _TRACED:
         state = getattr(_TRACED.pop(), "state", None)  # the preprocessor keeps none
         for buf in state.buffers() if state is not None else ():
-            _free(buf)
-    gc.collect()
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.fx.GraphModule):
-            for key in [k for k in obj.meta if isinstance(k, str) and k.endswith("__original__")]:
-                _free(obj.meta.pop(key))
+            free_storage(buf)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _free(t) -> None:
-    if isinstance(t, torch.Tensor):
-        t.untyped_storage().resize_(0)
 
 
 def _export(make_module, example: tuple, batched: list[int | None], streams: int):

@@ -29,6 +29,8 @@ CHUNK_BYTES = 64 << 20  # files larger than this also get a sha256 per 64 MiB pi
 METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")  # required
 # Optional: the decoder exported for one token, sharing text_decoder's weights file (and so its KV cache).
 STEP_METHOD = "text_decoder_step"
+# Optional: the decoder for B sequences at once, each in a slot of its own cache (export --max-batch N > 1).
+BATCH_METHOD = "text_decoder_batch"
 # A family whose bundle is made of other methods (the streaming steps of runner/families/voxtral_realtime).
 FAMILY_METHOD_NAMES = {"voxtral-realtime": ("preprocessor", "encoder_step", "decoder_step")}
 MAX_MANIFEST_BYTES = 16 << 20  # a 3B bundle's model.pte is ~10 kB: anything near this is not a manifest

@@ -13,7 +13,7 @@ from torch import nn
 from torch.export import Dim
 
 from runner.audio import CHUNK_LENGTH, MIN_ANSWER_ROOM, N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK, context_for
-from runner.bundle import BATCH_STATE_PREFIX, StateSpec
+from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX, StateSpec
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
@@ -150,13 +150,13 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
     # one row alone, then two at different positions (row 1 starts later and ends apart), against eager
     steps = [(0,), (1, 0), (2, 1), (3, 2), (4, 7)]
     return MethodPlan(
-        "text_decoder_batch",
+        BATCH_METHOD,
         eager,
         (emb(2), pos(0, 0)),
         None,
         replace(
             method_spec(
-                "text_decoder_batch",
+                BATCH_METHOD,
                 [("embeds", dtype_name(dtype), [batch, 1, c.dim]), ("cache_position", "int64", [batch])],
                 [("logits", "float32", [batch, c.vocab_size])],
                 slot_state | state,  # the batch-1 cache too: the module reaches it (its layers), its graph does not

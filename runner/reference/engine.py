@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from runner.models.methods import Methods
-from runner.runtime.engine import CrossAttended, decode_token, extra_inputs
+from runner.runtime.engine import CrossAttended, admit_into_slot, decode_token, extra_inputs
 
 
 class EagerEngine:
@@ -62,9 +62,7 @@ class EagerEngine:
 
     @torch.inference_mode()
     def admit(self, slot: int, length: int) -> None:
-        for slots, one in self.slots:
-            slots[slot, :, :length].copy_(one[0, :, :length])
-            slots[slot, :, length:].zero_()
+        admit_into_slot(self.slots, slot, length)
 
     @torch.inference_mode()
     def decode_batch(self, tokens, pos):

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from runner.bundle import BATCH_STATE_PREFIX
+from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX
 from runner.errors import AudioError, BundleError, GenerationError
 from runner.runtime.graphs import BatchGraphs, DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
@@ -92,7 +92,7 @@ class ProgramEngine:
         # the decoder exported for one token (older bundles have only text_decoder, which decodes too)
         self._step = m.get("text_decoder_step")
         # B tokens of B sequences in one step, each in a slot of its own cache (a bundle exported with --max-batch)
-        self._batch = m.get("text_decoder_batch")
+        self._batch = m.get(BATCH_METHOD)
         self.max_batch = model.get("max_batch", 1) if self._batch is not None else 1
         self._slots = slot_pairs(program, self._dec, self._batch) if self._batch is not None else []
         self.batch_graphs: BatchGraphs | None = None
@@ -167,11 +167,8 @@ class ProgramEngine:
         self._features_ok.fill_(True)
 
     def admit(self, slot: int, length: int) -> None:
-        """Copy the prompt just prefilled (positions [0, length) of the prefill's cache) into `slot`, and zero the
-        slot's positions after it (a masked position is multiplied by zero: stale values must be finite)."""
-        for slots, one in self._slots:
-            slots[slot, :, :length].copy_(one[0, :, :length])
-            slots[slot, :, length:].zero_()
+        """The prompt just prefilled into `slot` (admit_into_slot)."""
+        admit_into_slot(self._slots, slot, length)
 
     def decode_batch(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tokens [B, 1] int64, pos [B] int64 (row b is slot b) -> logits [B, V] float32, on CUDA from the graph
@@ -204,7 +201,13 @@ class ProgramEngine:
         return decode_token(self, token, pos, step)
 
 
-BATCH_METHOD = "text_decoder_batch"
+def admit_into_slot(pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: int, length: int) -> None:
+    """For each (slot cache [N, ...], prefill cache [1, ...]): positions [0, length) of the prefill's cache into
+    `slot`, the slot's positions after them zeroed (a masked position is multiplied by zero: stale values must be
+    finite)."""
+    for slots, one in pairs:
+        slots[slot, :, :length].copy_(one[0, :, :length])
+        slots[slot, :, length:].zero_()
 
 
 def slot_pairs(program: Program, dec: Method, batch: Method) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,14 +31,7 @@ from runner.errors import GenerationError
 from runner.runtime.detokenize import StreamDecoder, Tokenizer
 from runner.runtime.engine import Engine, check_features, to_encoder_dtype
 from runner.runtime.features import RecordingFeatures
-from runner.runtime.results import (  # noqa: F401  (WindowResult, join_texts: still imported from here)
-    GenerationResult,
-    TextJoiner,
-    WindowResult,
-    join_results,
-    join_texts,
-    window_result,
-)
+from runner.runtime.results import GenerationResult, TextJoiner, join_results, window_result
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts

@@ -34,8 +34,9 @@ from runner.export.pipeline import ExportOptions
 from runner.families import voxtral as voxtral_family
 from runner.families.voxtral import Tekken, VoxtralFamily, transcription_prompt
 from runner.reference import eager_engine
-from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner, join_texts
+from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner
 from runner.runtime.program import Program
+from runner.runtime.results import join_texts
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 AUDIO = FIXTURES / "audio"

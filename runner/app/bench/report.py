@@ -84,11 +84,26 @@ def figure_for(key: str) -> Figure | None:
     return None
 
 
+def throughput_error_key(batch: int) -> str:
+    """The info key of why a batch size was not measured (a bundle without --max-batch, say)."""
+    return f"throughput_b{batch}_error"
+
+
+def throughput_errors(res: BackendResult) -> dict[int, str]:
+    """Each batch size left out of the throughput figures, with why."""
+    out = {}
+    for key, why in res.info.items():
+        head, _, tail = key.partition("_b")
+        batch = tail.removesuffix("_error")
+        if head == "throughput" and tail.endswith("_error") and batch.isdigit():
+            out[int(batch)] = why
+    return out
+
+
 def throughput_batches(res: BackendResult) -> list[int]:
     """The batch sizes with throughput figures (or a throughput error) in a result, in order."""
     found = {int(k.rpartition("_b")[2]) for k in res.samples if k.startswith("throughput_") and figure_for(k)}
-    found |= {int(k.split("_")[1][1:]) for k in res.info if k.startswith("throughput_b") and k.endswith("_error")}
-    return sorted(found)
+    return sorted(found | set(throughput_errors(res)))
 
 
 def figures_of(res: BackendResult) -> list[Figure]:
@@ -408,47 +423,4 @@ def markdown(run: BenchRun, title: str | None = None) -> str:
             lines.append(f"\n{_label(p.backend)}: not measured: {p.error}")
         elif p.info.get("note"):
             lines.append(f"\n{_label(p.backend)}: {p.info['note']}")
-    if throughput_batches(run.ours):
-        lines += ["", *throughput_table(run)]
     return "\n".join(lines) + "\n"
-
-
-def throughput_table(run: BenchRun) -> list[str]:
-    """One row per batch size (the serial pass, batch 1, beside the batched ones), and the speed-up over it."""
-    ours, ctx = run.ours, run.context
-    lines = [
-        f"#### Throughput: {ctx.get('throughput_files', '?')} files ({ctx.get('throughput_audio', '?')}), one timed "
-        "pass per batch size, wall time after load",
-        "",
-        "| batch | wall (s) | generated tokens/s | RTFx (audio s / s) | per-file p50 (ms) | per-file p99 (ms) | "
-        "decode step (ms) | decode tokens/s (batch / step) | tokens/s vs batch 1 | step vs batch 1 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    errors = []
-
-    def value(key: str, batch: int) -> float | None:
-        s = ours.summary(throughput_key(key, batch))
-        return s.median if s else None
-
-    serial, serial_step = value("throughput_decode_tokens_per_s", 1), value("throughput_step_ms", 1)
-    for b in throughput_batches(ours):
-        if (err := ours.info.get(f"throughput_b{b}_error")) is not None:
-            errors.append(f"batch {b}: not measured: {err}")
-            continue
-        rate, wall, step = (
-            value(k, b) for k in ("throughput_decode_tokens_per_s", "throughput_wall_ms", "throughput_step_ms")
-        )
-        cells = [
-            f"{wall / 1e3:.2f}" if wall is not None else "–",
-            f"{rate:.1f}" if rate is not None else "–",
-            *(
-                f"{v:.1f}" if (v := value(k, b)) is not None else "–"
-                for k in ("throughput_rtfx", "throughput_file_p50_ms", "throughput_file_p99_ms")
-            ),
-            f"{step:.3f}" if step is not None else "–",
-            f"{b * 1e3 / step:.1f}" if step else "–",  # every row decoding: the steady state between prefills
-            f"{rate / serial:.2f}x" if rate is not None and serial else "–",
-            f"{step / serial_step:.2f}x" if step is not None and serial_step else "–",
-        ]
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    return lines + [f"\n{e}" for e in errors]

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from runner.app.bench.report import percentile, throughput_key
+from runner.app.bench.report import (
+    BenchRun,
+    percentile,
+    throughput_batches,
+    throughput_error_key,
+    throughput_errors,
+    throughput_key,
+)
 from runner.app.folder import read_list
 from runner.audio import SAMPLE_RATE
 from runner.errors import RunnerError
@@ -88,7 +95,7 @@ def bench_throughput(
                 _pass(runner, plan.prompts[: max(b, 1)], opts, b, clock)
             wall_s, tokens, latencies = _pass(runner, plan.prompts, opts, b, clock)
         except RunnerError as e:
-            info[f"throughput_b{b}_error"] = " ".join(str(e).split())[:300]
+            info[throughput_error_key(b)] = " ".join(str(e).split())[:300]
             continue
         audio = sum(plan.audio_seconds)
         step_ms = percentile(_step_times(runner.engine, b, clock, runs=max(warmup, 1) * 10, warmup=warmup), 50)
@@ -150,3 +157,45 @@ def _pass(
         tokens += len(done.result.tokens)
     clock.sync()
     return time.perf_counter() - t0, tokens, latencies
+
+
+def throughput_table(run: BenchRun) -> list[str]:
+    """One row per batch size (the serial pass, batch 1, beside the batched ones), and the speed-up over it."""
+    ours, ctx = run.ours, run.context
+    lines = [
+        f"#### Throughput: {ctx.get('throughput_files', '?')} files ({ctx.get('throughput_audio', '?')}), one timed "
+        "pass per batch size, wall time after load",
+        "",
+        "| batch | wall (s) | generated tokens/s | RTFx (audio s / s) | per-file p50 (ms) | per-file p99 (ms) | "
+        "decode step (ms) | decode tokens/s (batch / step) | tokens/s vs batch 1 | step vs batch 1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    errors = []
+
+    def value(key: str, batch: int) -> float | None:
+        s = ours.summary(throughput_key(key, batch))
+        return s.median if s else None
+
+    serial, serial_step = value("throughput_decode_tokens_per_s", 1), value("throughput_step_ms", 1)
+    left_out = throughput_errors(ours)
+    for b in throughput_batches(ours):
+        if (err := left_out.get(b)) is not None:
+            errors.append(f"batch {b}: not measured: {err}")
+            continue
+        rate, wall, step = (
+            value(k, b) for k in ("throughput_decode_tokens_per_s", "throughput_wall_ms", "throughput_step_ms")
+        )
+        cells = [
+            f"{wall / 1e3:.2f}" if wall is not None else "–",
+            f"{rate:.1f}" if rate is not None else "–",
+            *(
+                f"{v:.1f}" if (v := value(k, b)) is not None else "–"
+                for k in ("throughput_rtfx", "throughput_file_p50_ms", "throughput_file_p99_ms")
+            ),
+            f"{step:.3f}" if step is not None else "–",
+            f"{b * 1e3 / step:.1f}" if step else "–",  # every row decoding: the steady state between prefills
+            f"{rate / serial:.2f}x" if rate is not None and serial else "–",
+            f"{step / serial_step:.2f}x" if step is not None and serial_step else "–",
+        ]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines + [f"\n{e}" for e in errors]

@@ -27,10 +27,12 @@ from runner.app.bench.report import (
     from_records,
     markdown,
     read_records,
+    throughput_batches,
+    throughput_errors,
     to_records,
     write_json,
 )
-from runner.app.bench.throughput import plan_throughput
+from runner.app.bench.throughput import plan_throughput, throughput_table
 from runner.app.options import Environment
 from runner.audio import SAMPLE_RATE, TOKENS_PER_CHUNK, load_audio
 from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, read_manifest
@@ -233,6 +235,8 @@ def report(
     """The headline table (stdout, and the job summary when there is one), the gate's table, the JSON and the
     chart; then the gate's verdict. Results are written before a regression fails the run."""
     text = markdown(run)
+    if throughput_batches(run.ours):  # the table of each batch size's pass, after the same-run table
+        text += "\n" + "\n".join(throughput_table(run)) + "\n"
     result = None
     if baseline is not None:
         result = evaluate(to_records(run), baseline, args.baseline, gate, thresholds)
@@ -251,11 +255,7 @@ def report(
     if args.chart:
         write_chart(run, args.chart)
         _say(f"wrote {args.chart}")
-    left_out = [
-        f"throughput at batch {k.split('_')[1][1:]} not measured: {v}"
-        for k, v in run.ours.info.items()
-        if k.startswith("throughput_b") and k.endswith("_error")
-    ]
+    left_out = [f"throughput at batch {b} not measured: {why}" for b, why in throughput_errors(run.ours).items()]
     if left_out:  # a batch size that could not run (a bundle without --max-batch) fails the run, after its report
         raise RunnerError("; ".join(left_out))
     if result is not None and (error := result.error()):

@@ -36,8 +36,15 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
 # Splits of the positions per KV head, and positions per block: 4 x 128 and 8 x 64 measured within 2 us per step
-# of each other on the H200 (benchmarks/NOTES.md).
+# of each other on the H200 (benchmarks/NOTES.md). A cache of LONG_CACHE positions or more (the 10-minute bundle)
+# gets LONG_SPLITS: at 7500 positions 4 splits are 32 programs for 132 SMs, each streaming 1900 positions; at a
+# short position the extra splits find nothing to do (a split is at least BLOCK_T positions) and exit.
 ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
+LONG_CACHE, LONG_SPLITS = 4096, 16
+
+
+def attention_splits(max_seq: int) -> int:
+    return LONG_SPLITS if max_seq >= LONG_CACHE else ATTN_SPLITS
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
@@ -350,7 +357,7 @@ def _launch_attention(
 ):
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_heads = qkv.shape[0] // d - 2 * n_kv
-    splits, block_t = splits or ATTN_SPLITS, block_t or ATTN_BLOCK_T
+    splits, block_t = splits or attention_splits(max_seq), block_t or ATTN_BLOCK_T
     rep_p2 = triton.next_power_of_2(n_heads // n_kv)
     block_h = max(16, rep_p2)
     out = torch.empty(n_heads * d, dtype=qkv.dtype, device=qkv.device)

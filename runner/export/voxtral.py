@@ -33,6 +33,7 @@ SOURCE_FILES = (
     "export/decode_step.py",
     "export/kernels.py",
     "export/kernels_int4.py",
+    "export/kernels_prefill.py",
     "export/quant.py",
     "models/quant_linear.py",
 )
@@ -81,9 +82,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
         ),
         MethodPlan(
             "text_decoder",
-            # a prompt into an empty cache; on CPU it attends to itself only, on CUDA to the whole cache (torch 2.11
-            # CUDA refused the prompt-only shapes: benchmarks/NOTES.md item 32)
-            model.prefiller(prompt_only=dev.type != "cuda"),
+            prefill_module(model, opts.device),
             (emb(3), torch.arange(3, device=dev)),
             ({1: seq}, {0: seq}),
             method_spec(
@@ -169,11 +168,29 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
     )
 
 
+def _triton_tiles(model: Voxtral, device: str) -> bool:
+    """Whether the Triton attention kernels serve this export: CUDA, and a head size they can tile (a power of two
+    >= 16: tl.dot's minimum)."""
+    d = model.config.text.head_dim
+    return torch.device(device).type == "cuda" and d >= 16 and d & (d - 1) == 0
+
+
+def prefill_module(model: Voxtral, device: str) -> nn.Module:
+    """The decoder for a prompt into an empty cache, attending to the prompt alone: on CUDA through the Triton
+    flash attention (torch 2.11 CUDA could not export the written-out prompt-only form for a dynamic length,
+    benchmarks/NOTES.md item 32); on CUDA with a head size it cannot tile, attending to the whole (empty beyond
+    the prompt) cache instead: the same answer, at a cost that follows the cache."""
+    if _triton_tiles(model, device):
+        from runner.export import kernels_prefill  # imports Triton
+
+        return model.prefiller(attend=kernels_prefill.attend)
+    return model.decoder() if torch.device(device).type == "cuda" else model.prefiller()
+
+
 def decode_step_module(model: Voxtral, device: str, pdl: bool = True) -> nn.Module:
     """The decoder for one token: the Triton kernels on CUDA; elsewhere, or for a head size the attention kernel
-    cannot tile (a power of two >= 16: tl.dot's minimum), the decoder itself, exported at S = 1."""
-    d = model.config.text.head_dim
-    if torch.device(device).type == "cuda" and d >= 16 and d & (d - 1) == 0:
+    cannot tile, the decoder itself, exported at S = 1."""
+    if _triton_tiles(model, device):
         from runner.export.decode_step import DecodeStep  # imports Triton
 
         return DecodeStep(model.config.text, model.language_model, pdl=decode_kernels_wait(device, pdl))

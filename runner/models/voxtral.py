@@ -136,7 +136,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, cos, sin, input_pos, mask):
+    def forward(self, x, cos, sin, input_pos, mask, attend=None):
         c, (b, s, _) = self.c, x.shape  # x: [b, S, dim], mask: [S, max_seq], or None: a prompt from position 0
         kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
         # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so they are folded into
@@ -147,21 +147,23 @@ class Attention(nn.Module):
         v = v.view(b, s, kv, d).transpose(1, 2)
         q, k = apply_rope(q, cos[:, None, :], sin[:, None, :]), apply_rope(k, cos, sin)
         cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
-        if mask is None:
-            # A prompt into an empty cache attends only to itself (causal over its positions), so the cost
-            # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq]. torch 2.11 CUDA
-            # cannot export this for a dynamic length (unprovable guards: min(seq, 2*seq) == seq written out,
-            # min(128*seq, 512*seq) == 128*seq with SDPA), so a CUDA export passes the cache mask instead
-            # (TextDecoder.prompt_only); the answer is the same either way.
-            mask = input_pos[None, :] <= input_pos[:, None]  # [S, S]
-        else:
-            k, v = cached_k, cached_v
         q = q.reshape(b, kv, s * rep, d)
-        # Written out rather than SDPA with a mask: torch 2.11 could not export SDPA's masked CUDA path for a
-        # dynamic length (an unprovable guard). Softmax in float32, as HF's Llama does.
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, S or max_seq]
-        scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
-        y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, S*rep, D]
+        if mask is None and attend is not None:
+            # a prompt from position 0 through the given kernel (the CUDA export's Triton flash attention,
+            # export/kernels_prefill.py): it reads the prompt's keys from the cache, positions [0, S)
+            y = attend(q, cached_k, cached_v, rep)
+        else:
+            if mask is None:
+                # A prompt into an empty cache attends only to itself (causal over its positions), so the cost
+                # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq].
+                mask = input_pos[None, :] <= input_pos[:, None]  # [S, S]
+            else:
+                k, v = cached_k, cached_v
+            # Written out rather than SDPA with a mask: torch 2.11 could not export SDPA's masked CUDA path for a
+            # dynamic length (an unprovable guard). Softmax in float32, as HF's Llama does.
+            scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, S or max_seq]
+            scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
+            y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, S*rep, D]
         y = y.view(b, kv, s, rep, d).permute(0, 2, 1, 3, 4).reshape(b, s, c.n_heads * d)
         return self.o_proj(y)
 
@@ -230,8 +232,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
 
-    def forward(self, x, cos, sin, input_pos, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask)
+    def forward(self, x, cos, sin, input_pos, mask, attend=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -253,11 +255,13 @@ class LanguageModel(nn.Module):
 class TextDecoder(nn.Module):
     """The decoder body without the embedding table: any positions, attending to the cache (decode steps, the
     eager reference). With `prefill`, what the exported text_decoder method holds: a prompt from position 0 into
-    an empty cache (the runtime prefills a whole prompt in one call, always from an empty cache)."""
+    an empty cache (the runtime prefills a whole prompt in one call, always from an empty cache): it attends to the
+    prompt alone, through `attend` where given (q, k_cache, v_cache, rep -> y: Attention.forward's folded layout),
+    else written out."""
 
-    def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False):
+    def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False, attend=None):
         super().__init__()
-        self.c, self.prefill = c, prefill  # prefill: a prompt from position 0 into an empty cache, prompt-only
+        self.c, self.prefill, self.attend = c, prefill, attend
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
@@ -269,7 +273,7 @@ class TextDecoder(nn.Module):
         cos, sin = rope(cache_position, self.c.head_dim, self.c.rope_theta, embeds.dtype)
         x = embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, cache_position, mask)
+            x = layer(x, cos, sin, cache_position, mask, self.attend)
         return self.lm_head(self.norm(x[:, -1, :])).float()
 
 
@@ -306,11 +310,11 @@ class Voxtral(nn.Module):
     def decoder(self) -> TextDecoder:
         return TextDecoder(self.config.text, self.language_model)
 
-    def prefiller(self, prompt_only: bool = True) -> TextDecoder:
-        """The decoder for a prompt into an empty cache (the exported text_decoder). `prompt_only`: attend to the
-        prompt alone (the cost follows the prompt); off, attend to the whole (empty beyond it) cache, which is
-        what exports on torch 2.11 CUDA (Attention.forward says why)."""
-        return TextDecoder(self.config.text, self.language_model, prefill=prompt_only)
+    def prefiller(self, attend=None) -> TextDecoder:
+        """The decoder for a prompt into an empty cache (the exported text_decoder): it attends to the prompt alone,
+        so the cost follows the prompt, not the cache. `attend`: the attention kernel (the CUDA export's Triton
+        op; torch 2.11 CUDA could not export the written-out form for a dynamic length, NOTES.md item 32)."""
+        return TextDecoder(self.config.text, self.language_model, prefill=True, attend=attend)
 
     def init_weights(self, seed: int) -> Voxtral:
         """Deterministic random init (normal(0, initializer_range), norms at one, biases zero), drawn per HF-layout

@@ -102,7 +102,8 @@ def test_rope_table(pos):
 
 
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
-@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16)])  # tl.dot: block_t >= 16
+# tl.dot: block_t >= 16; 16 splits (a long cache's) leave most of them empty at these positions
+@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16), (16, 16)])
 def test_decode_attention(pos, splits, block_t):
     """The fused op against apply_rope + a cache write + attention in float32: output, the written slot, every other
     slot untouched, and the split counters (the last split of each KV head merges)."""
@@ -134,6 +135,11 @@ def test_decode_attention(pos, splits, block_t):
     assert not counters.any()  # the last split of each head resets its count: a second call merges again
     again = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert torch.equal(again, got)
+
+
+def test_attention_splits_follow_the_capacity():
+    assert K.attention_splits(1024) == K.ATTN_SPLITS == 4  # the headline bundle's, as tuned
+    assert K.attention_splits(8192) == K.attention_splits(10240) == K.LONG_SPLITS == 16
 
 
 def test_decode_step_matches_the_decoder():

@@ -1,0 +1,112 @@
+"""A Triton kernel for the prompt's attention in the CUDA `text_decoder` (prefill): causal flash attention over
+the prompt's own positions, compiled into the `.so` by AOTInductor.
+
+Why hand-written: the written-out attention makes an [S * rep, S] float32 score matrix per KV head, and on
+torch 2.11 CUDA only its whole-cache form ([S * rep, max_seq]) exported for a dynamic length (benchmarks/NOTES.md
+item 32): a 10-minute prompt (7510 tokens in an 8192 bundle) spent most of its 322 ms prefill and ≈ 4 GiB of peak
+memory on scores, and a 30 s prompt cost 3× more in a 10-minute bundle than in a 1024 one. This kernel keeps the
+scores in registers (online softmax) and reads keys only up to each query block's last position, so the cost
+follows the prompt, not the cache. As a `triton_op` it is one opaque node to torch.export, which therefore has no
+score shapes to reason about.
+
+Layout: the query heads of one KV head are folded into its rows (Attention.forward: [1, H_kv, S * rep, D], row
+r is position r // rep), so each program reads one KV head's keys once for all of its query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+LOG2E = 1.4426950408889634
+
+
+def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): the Triton tutorial's Hopper setting for a
+    head of 128; small heads (the tiny model) take small tiles."""
+    return (128, 64, 8, 3) if head_dim >= 64 else (32, 16, 4, 2)
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    n_rows,
+    kv_stride_h,
+    QK_SCALE: tl.constexpr,  # head_dim ** -0.5 * log2(e): the softmax in base 2
+    REP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program (query block i, KV head j): rows [i * BLOCK_M, +BLOCK_M) of head j's folded queries against
+    positions [0, the block's last position]; each row masked to positions <= its own."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    q_pos = rows // REP
+    d = tl.arange(0, D)
+    q_base = j.to(tl.int64) * n_rows * D
+    q = tl.load(q_ptr + q_base + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    kv_base = j.to(tl.int64) * kv_stride_h
+    # positions this block needs: up to its last real row's (rows past n_rows are padding and never stored)
+    end = (tl.minimum(i * BLOCK_M + BLOCK_M, n_rows) - 1) // REP + 1
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for t0 in range(0, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        k = tl.load(k_ptr + kv_base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * QK_SCALE
+        s = tl.where((t[None, :] <= q_pos[:, None]) & t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    # every real row sees position 0, so its denominator is >= 1; padding rows may see none and are not stored
+    out = acc / tl.maximum(denom, 1e-30)[:, None]
+    tl.store(out_ptr + q_base + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _launch_prefill(q, k_cache, v_cache, rep, config=None):
+    _, n_kv, n_rows, d = q.shape
+    block_m, block_n, warps, stages = config or prefill_config(d)
+    out = torch.empty_like(q)
+    wrap_triton(_prefill_attention_kernel)[(triton.cdiv(n_rows, block_m), n_kv)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        n_rows,
+        k_cache.stride(1),
+        QK_SCALE=d**-0.5 * LOG2E,
+        REP=rep,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+@triton_op("voxtral::prefill_attention", mutates_args={})
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rep: int) -> torch.Tensor:
+    """A prompt's causal attention, from position 0: q [1, H_kv, S * rep, D] contiguous (RoPE applied, query heads
+    folded), k_cache/v_cache [1, H_kv, max_seq, D] holding the prompt's keys and values at [0, S) -> [1, H_kv,
+    S * rep, D] in q's dtype. Nothing past position S - 1 is read."""
+    return _launch_prefill(q, k_cache, v_cache, rep)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rep: int) -> torch.Tensor:
+    """The model's hook (TextDecoder's `attend`): this op, as one node in the exported graph."""
+    return torch.ops.voxtral.prefill_attention(q, k_cache, v_cache, rep)

@@ -1,0 +1,78 @@
+"""The prefill attention kernel (runner/export/kernels_prefill.py) against torch's causal attention: ragged prompt
+lengths and tiles, grouped query heads, nothing read past the prompt; and the tiny model's prefill through the op
+against the written-out prefill and the cache-attending decoder. On a GPU the kernel is compiled; without one,
+Triton's interpreter runs it on the CPU (float16 there: the interpreter computes tl.dot on bfloat16 wrongly)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":  # before the kernels are defined: @triton.jit then makes interpreted functions
+    os.environ["TRITON_INTERPRET"] = "1"
+DOT_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+pytest.importorskip("triton")
+
+from runner.export import kernels_prefill as KP  # noqa: E402
+from runner.models.voxtral import Voxtral  # noqa: E402
+from runner.models.voxtral_config import preset  # noqa: E402
+
+
+def reference(q, k_cache, v_cache, rep):
+    """Causal SDPA in float32 with the query heads unfolded: [1, H_kv, S*rep, D] -> the same layout."""
+    _, kv, rows, d = q.shape
+    s = rows // rep
+    qh = q.float().view(kv, s, rep, d).permute(0, 2, 1, 3).reshape(kv * rep, s, d)
+    k = k_cache[0, :, :s].float().repeat_interleave(rep, dim=0)
+    v = v_cache[0, :, :s].float().repeat_interleave(rep, dim=0)
+    y = F.scaled_dot_product_attention(qh, k, v, is_causal=True)
+    return y.view(kv, rep, s, d).permute(0, 2, 1, 3).reshape(1, kv, rows, d)
+
+
+@pytest.mark.parametrize("s", [1, 5, 16, 37, 64])  # one token, ragged, block edges
+@pytest.mark.parametrize("rep", [1, 2, 4])
+@pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 2), (64, 32, 4, 1)])
+def test_prefill_attention_matches_causal_sdpa(s, rep, config):
+    g = torch.Generator().manual_seed(s * 10 + rep)
+    kv, d, max_seq = 2, 16, 80
+    q = torch.randn(1, kv, s * rep, d, generator=g).to(DEV, DOT_DTYPE)
+    kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
+    kc[:, :, s:], vc[:, :, s:] = float("nan"), float("nan")  # past the prompt: must not be read
+    got = KP._launch_prefill(q, kc, vc, rep, config)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # probabilities rounded to the dot's dtype for p @ V
+    assert (got.float() - reference(q, kc, vc, rep)).abs().max().item() < tol
+
+
+def test_prefill_config_by_head_size():
+    assert KP.prefill_config(128)[:2] == (128, 64)  # the 3B's heads
+    block_m, block_n, _, _ = KP.prefill_config(16)  # the tiny model's: tl.dot needs tiles >= 16
+    assert block_m >= 16 and block_n >= 16
+
+
+@torch.no_grad()
+def test_tiny_prefill_through_the_op_matches_the_written_out_prefill():
+    """The tiny model's prompt through the op (as the CUDA text_decoder holds it) against the written-out
+    prompt-only prefill and the decoder that attends to the whole cache: the same logits and caches."""
+    cfg = preset("tiny")
+    m = Voxtral(cfg).init_weights(seed=3).to(DEV, DOT_DTYPE)
+    m.setup_caches(64)
+    g = torch.Generator().manual_seed(0)
+    emb = (torch.randn(1, 23, cfg.text.dim, generator=g) * 0.5).to(DEV, DOT_DTYPE)
+    pos = torch.arange(23, device=DEV)
+    results = []
+    for decoder in (m.prefiller(attend=KP.attend), m.prefiller(), m.decoder()):
+        m.reset_caches()
+        logits = decoder(emb, pos)
+        caches = [layer.self_attn.kv_cache.k_cache.clone() for layer in m.language_model.model.layers]
+        results.append((logits, caches))
+    (op, op_k), (written, written_k), (whole, _) = results
+    scale = written.abs().max()
+    assert (op - written).abs().max() / scale < 1e-2
+    assert (op - whole).abs().max() / scale < 1e-2
+    assert torch.equal(op_k[0], written_k[0])  # the first layer's keys come before any attention
+    assert all((a - b).abs().max() < 1e-2 * b.abs().max() for a, b in zip(op_k, written_k))

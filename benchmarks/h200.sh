@@ -13,6 +13,8 @@
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
+#   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up
+#            and the TTFT of the process's first file -> firstrun.md
 #   regen    the random-init bundle's weights drawn again into a copy without them: every digest must match;
 #            prints what the artifact weighs with and without its weights
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
@@ -62,6 +64,7 @@ T_INT4=${T_INT4:-300}
 BUNDLE_INT4=${BUNDLE_INT4:-artifacts/3b-int4}
 T_LONG=${T_LONG:-420}
 T_REGEN=${T_REGEN:-180}
+T_FIRSTRUN=${T_FIRSTRUN:-300}
 T_SMALL24B=${T_SMALL24B:-560}
 T_THROUGHPUT=${T_THROUGHPUT:-240}
 INT4_ARGS=${INT4_ARGS:---parts check,gemv,step,agree}  # int4_kernels.py's flags (--quick: one config per kind)
@@ -89,7 +92,7 @@ RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-sec
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench long regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
+MODES="setup tests export bench long firstrun regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -281,6 +284,34 @@ mode_int4() {
   local rc=$?
   grep -E "^check|^gemv|^step|^agree" "$OUT/int4.log"
   NOTE=$(grep "^step int4" "$OUT/int4.log")
+  return $rc
+}
+
+mode_firstrun() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local flags name rc=0
+  printf '| process | flags | load (ms) | warm-up (ms) | TTFT of its first file (ms) |\n|---|---|---:|---:|---:|\n' > "$OUT/firstrun.md"
+  for flags in "" "--no-warm-up" "" "--no-warm-up"; do
+    name=firstrun_${flags:+nowarm}${flags:-warm}
+    # one `run` process per row: load, then one file, as a user's first file meets it
+    run_for 120 python3 -m runner run --bundle "$BUNDLE" --audio fixtures/audio/speech.wav --language en --json \
+      $flags > "$OUT/$name.jsonl" 2>> "$OUT/firstrun.log" || { rc=$?; tail -5 "$OUT/firstrun.log"; }
+    python3 - "$OUT/$name.jsonl" "$flags" >> "$OUT/firstrun.md" <<'PY'
+import json, sys
+recs = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+s = recs[0]["stats"] if recs and "stats" in recs[0] else None
+if s is None:
+    print(f"| run | `{sys.argv[2]}` | no record | | |")
+else:
+    load = s["model_load_end_ms"] - s["model_load_start_ms"]
+    print(f"| run | `{sys.argv[2]}` | {load:.0f} | {s.get('warm_up_ms', 0):.0f} | {s['ttft_ms']:.1f} |")
+PY
+  done
+  cat "$OUT/firstrun.md"
+  NOTE=$(awk -F'|' 'NR > 2 && $5 ~ /[0-9]/ { k = ($3 ~ /no-warm/) ? "cold" : "warm"; n[k]++; t[k] += $6; l[k] += $4 }
+    END { printf "first TTFT warm-up %.1f ms (load %.0f), without %.1f ms (load %.0f)",
+          t["warm"]/n["warm"], l["warm"]/n["warm"], t["cold"]/n["cold"], l["cold"]/n["cold"] }' "$OUT/firstrun.md")
+  echo "  $NOTE"
   return $rc
 }
 
@@ -527,7 +558,7 @@ for m in "${todo[@]}"; do
 done
 
 # at most 8 files come back from $OUT: past that, pack them all and keep the headline ones beside the pack
-keep=(summary.md bench_tp.md bench_tp.json bench_24b.md bench_24b.json realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md 3b_profile.md cuda_tests.log soak.log
+keep=(summary.md bench_tp.md bench_tp.json bench_24b.md bench_24b.json realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md firstrun.md 3b_profile.md cuda_tests.log soak.log
   whisper_cuda_fp32_e2e.jsonl whisper_cuda_bf16_e2e.jsonl 3b_export.log env.txt)
 {
   echo "| mode | status | s | limit s | result |"

@@ -21,6 +21,7 @@ def now_ms() -> float:
 class Stats:
     model_load_start_ms: float = 0.0
     model_load_end_ms: float = 0.0
+    warm_up_ms: float = 0.0  # of the load above: the engine's warm-up (CUDA: first calls, the decode graph)
     inference_start_ms: float = 0.0
     prompt_eval_end_ms: float = 0.0
     first_token_ms: float = 0.0
@@ -114,7 +115,8 @@ class Stats:
     def human_lines(self) -> list[str]:
         lines = [
             f"Prompt tokens: {self.prompt_tokens}  Generated tokens: {self.generated_tokens}",
-            f"Model load time: {(self.model_load_end_ms - self.model_load_start_ms) / 1e3:.3f} s",
+            f"Model load time: {(self.model_load_end_ms - self.model_load_start_ms) / 1e3:.3f} s"
+            + (f" (warm-up {self.warm_up_ms / 1e3:.3f} s)" if self.warm_up_ms else ""),
             f"Prompt evaluation: {self.prompt_eval_ms / 1e3:.3f} s ({self.prefill_tokens_per_s:.1f} tokens/s)",
             f"Generated {self.generated_tokens} tokens: {self.generation_ms / 1e3:.3f} s "
             f"({self.decode_tokens_per_s:.1f} tokens/s)",

@@ -64,12 +64,19 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-pdl", action="store_true", help="CUDA: capture plain graph edges even where the bundle's kernels wait"
     )
+    p.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="CUDA: skip the warm-up at load (each method called once, the decode step captured); the first "
+        "file then pays for loading the kernels",
+    )
     p.add_argument("--rehash", action="store_true", help="hash every bundle file again (ignore remembered digests)")
 
 
 def runtime_options(args: argparse.Namespace, env: Environment) -> RuntimeOptions:
     return RuntimeOptions(
         cuda_graph=not getattr(args, "no_cuda_graph", False),
+        warm_up=not getattr(args, "no_warm_up", False),
         pdl=env.pdl and not getattr(args, "no_pdl", False),
         rehash=env.rehash or getattr(args, "rehash", False),
         cache_dir=env.cache_dir,

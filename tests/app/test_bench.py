@@ -354,7 +354,7 @@ def test_thresholds_parse_and_resolve_figure_then_group_then_default():
         ("-5", "'-5' is not a percentage >= 0"),
         ("nan", "is not a percentage"),
         ("20,30", "two default percentages (20 and 30)"),
-        ("latency=5", "latency is not a figure or group (load, method, e2e, memory, throughput)"),
+        ("latency=5", "latency is not a figure or group (load, method, e2e, first, memory, throughput)"),
         ("decode_tokens_per_s=x", "'decode_tokens_per_s=x' is not a percentage"),
         ("ttft_ms=5,ttft_ms=6", "ttft_ms is given twice"),
         ("load=10", "load is not gated (--gate e2e,memory,method); add it to --gate"),

@@ -239,3 +239,17 @@ def test_golden_tokens_of_the_tiny_bundle_hold(tiny_bundle, tmp_path, monkeypatc
     assert list(rows) == names
     assert all(r[1] == "match (32 tokens)" and r[4] == "match" for r in rows.values()), rows
     assert text.rstrip().endswith("all 5 file(s) pass")
+
+
+def test_runtime_flags_and_variables_become_one_options_value():
+    import argparse
+
+    from runner.app.options import Environment, add_runtime_flags, runtime_options
+
+    p = argparse.ArgumentParser()
+    add_runtime_flags(p)
+    plain = runtime_options(p.parse_args([]), Environment.read({}))
+    assert plain.cuda_graph and plain.warm_up and plain.pdl and not plain.rehash
+    off = runtime_options(p.parse_args(["--no-warm-up", "--no-cuda-graph", "--rehash"]), Environment.read({}))
+    assert not off.warm_up and not off.cuda_graph and off.rehash and off.pdl
+    assert not runtime_options(p.parse_args([]), Environment.read({"VOXTRAL_RUNNER_PDL": "0"})).pdl

@@ -70,6 +70,10 @@ def reset_peak_memory(device: str) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         return
+    reset_host_peak()
+
+
+def reset_host_peak() -> None:
     try:  # Linux: "5" resets the process's peak RSS (VmHWM) to its current RSS
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -79,6 +83,10 @@ def reset_peak_memory(device: str) -> None:
 def peak_memory_mb(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
+    return host_peak_mb()
+
+
+def host_peak_mb() -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -177,6 +185,15 @@ class _Synced:
         return out
 
 
+def first_ttft(engine, tok: Tekken, plan: Plan, clock: Clock) -> float:
+    """Time to the first token of this engine's first generate(): the first file of a `run` process."""
+    runner = MultimodalRunner(_Synced(engine) if clock.cuda else engine, tok, tok.special_id("[AUDIO]"))
+    stats = Stats()
+    clock.sync()
+    runner.generate(plan.segments, plan.opts, stats=stats)
+    return stats.ttft_ms
+
+
 def bench_e2e(
     engine, tok: Tekken, plan: Plan, clock: Clock
 ) -> tuple[dict[str, list[float]], dict[str, str], list[int], list[int]]:
@@ -213,6 +230,7 @@ def bench_ours(
 ) -> tuple[BackendResult, list[int], list[int]]:
     res = BackendResult(OURS)
     program = None
+    reset_host_peak()  # on CUDA the host's peak is its own figure: load and run, not the imports before
     try:
         for _ in range(plan.load_runs):
             if program is not None:
@@ -227,6 +245,13 @@ def bench_ours(
                 res.samples.setdefault(f"load_{k}_ms", []).append(v)
             res.samples.setdefault("load_total_ms", []).append(total)
         engine = ProgramEngine(program, options)
+        if options.warm_up and engine.device == "cuda":  # as `run`: load to ready is load_total + load_warm_up
+            clock.sync()
+            t0 = time.perf_counter()
+            engine.warm_up()
+            clock.sync()
+            res.samples["load_warm_up_ms"] = [(time.perf_counter() - t0) * 1e3]
+        res.samples["first_ttft_ms"] = [first_ttft(engine, tok, plan, clock)]
         reset_peak_memory(plan.device)
         wave, ids = method_inputs(plan, vocab, plan.device)
         res.samples.update(bench_methods(engine, plan, clock, wave, ids))
@@ -234,6 +259,8 @@ def bench_ours(
         res.samples.update(e2e)
         res.info.update(info, cuda_graph=str(engine.use_cuda_graph).lower())
         res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device)]  # batch 1's: before the batched passes
+        if plan.device == "cuda":
+            res.samples["peak_host_rss_mb"] = [host_peak_mb()]
         if plan.throughput is not None:
             runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))
             samples, info = bench_throughput(runner, plan.throughput, plan.opts, clock, plan.warmup)

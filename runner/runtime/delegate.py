@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from runner.bundle import MethodSpec, TensorSpec, safe_member, sha256_file
 from runner.errors import DelegateError
 from runner.runtime.tensor_meta import MetaCache
+from runner.runtime.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class AOTIBackend:
             if weights is None:
                 wpath = safe_member(bundle_dir, h.spec.weights)
                 try:
-                    weights = load_file(str(wpath), device=str(h.device))
+                    weights = load_weights(wpath, torch.device(h.device))
                 except Exception as e:  # safetensors raises its own error types for malformed files
                     raise DelegateError(f"{wpath}: cannot read weights ({e})") from None
                 shared.weights[h.spec.weights] = weights

@@ -57,6 +57,8 @@ class MethodPlan:
     reference: nn.Module | None = None  # what the self-check compares with, if not `module` run eagerly
     export: Callable[[], torch.export.ExportedProgram] | None = None  # instead of torch.export.export(...)
     key_extra: dict = field(default_factory=dict)  # what this method's compile depends on beyond the family's key
+    # after its compile: free what only its trace needed (state traced at full size, which torch keeps alive)
+    release: Callable[[], None] | None = None
 
     def exported(self) -> torch.export.ExportedProgram:
         if self.export is not None:

@@ -282,6 +282,8 @@ def build_bundle(
                 with tempfile.TemporaryDirectory(dir=stage) as work:
                     shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), so)
                 release_compile_copies()
+                if plan.release is not None:
+                    plan.release()
                 cache.store(key, plan.name, so, sources)
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             weights = {

@@ -17,7 +17,15 @@ from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX, StateSpec
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
-from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
+from runner.export.pipeline import (
+    DTYPES,
+    ExportOptions,
+    ExportReport,
+    build_bundle,
+    free_storage,
+    prepare,
+    source_digest,
+)
 from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import voxtral
@@ -117,6 +125,23 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     ]
 
 
+class TracedSlots:
+    """The modules a batched step was traced over. Their slot caches (max_batch rows of the whole context: 39 GB
+    at 32 slots of 10240 positions on the 3B) outlive the trace (torch keeps it), so they are freed once the step is
+    compiled; the eager model's caches, which the modules reach through its layers, are not theirs to free."""
+
+    def __init__(self):
+        self.modules: list[nn.Module] = []
+
+    def slot_buffers(self) -> list[torch.Tensor]:
+        return [b for m in self.modules for n, b in m.named_buffers() if n.startswith(BATCH_STATE_PREFIX)]
+
+    def release(self) -> None:
+        for buf in self.slot_buffers():
+            free_storage(buf)
+        self.modules.clear()
+
+
 CHECK_SLOTS = 2  # the eager model's slots for the self-check: batches of 1 and 2, rows at other positions
 
 
@@ -138,8 +163,11 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         if k.startswith(BATCH_STATE_PREFIX)
     }
 
+    traced = TracedSlots()
+
     def export():
         module = BatchDecoder(c, model.language_model, SlotCaches(c, n, opts.max_seq_len, dtype, dev))
+        traced.modules.append(module)
         b = Dim("batch", min=1, max=n)
         # 2 rows: 1 would specialise B; size-oblivious tracing keeps the program general where the trace would
         # guard on B != 1 (as the realtime steps and the mel's chunk dim)
@@ -165,6 +193,7 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         [(emb(len(p)), pos(*p)) for p in steps],
         export=export,
         key_extra={"max_batch": n},
+        release=traced.release,
     )
 
 

@@ -74,3 +74,32 @@ def test_the_cli_refuses_it_in_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --max-batch 2: a voxtral-realtime bundle has no batched decode step")
     assert "Traceback" not in "\n".join(err) and not out.exists()
+
+
+def test_the_traced_slot_caches_are_freed_after_the_compile_and_the_eager_caches_kept():
+    """batch_plan's release (the pipeline calls it after the compile): the slot caches it traced over, max_batch
+    rows of the whole context (39 GB at 32 slots of 10240 positions on the 3B), are freed; the eager model's
+    caches, which the traced module reaches through its layers, keep their values."""
+    import torch
+
+    from runner.export.methods import kv_cache_state
+    from runner.export.voxtral import batch_plan
+    from runner.models.voxtral import Voxtral
+    from runner.models.voxtral_config import preset
+
+    opts = ExportOptions(max_batch=4, max_seq_len=32)
+    cfg = preset("tiny")
+    model = Voxtral(cfg).init_weights(seed=1)
+    model.setup_caches(opts.max_seq_len)
+    eager = [b for n, b in model.named_buffers() if "kv_cache" in n]
+    for b in eager:
+        b.fill_(0.5)
+    state = kv_cache_state(cfg.text.n_layers, [1, cfg.text.n_kv_heads, 32, cfg.text.head_dim], "float32")
+    plan = batch_plan(model, opts, state)
+    plan.exported()
+    slots = plan.release.__self__.slot_buffers()  # the traced module's slot caches
+    assert len(slots) == 2 * cfg.text.n_layers
+    assert all(b.untyped_storage().nbytes() == 4 * 4 * 32 * cfg.text.head_dim * cfg.text.n_kv_heads for b in slots)
+    plan.release()
+    assert all(b.untyped_storage().nbytes() == 0 for b in slots)
+    assert all(torch.equal(b, torch.full_like(b, 0.5)) for b in eager)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from runner import bundle as rb
+from runner.digests import DigestCache
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        cold = rb.DigestCache(d / "cache" / "digests.json", rehash=True)  # a cold digest cache every time
+        cold = DigestCache(d / "cache" / "digests.json", rehash=True)  # a cold digest cache every time
         f = d / "text_decoder.safetensors"
         with open(f, "wb") as out:
             for _ in range(int(args.gib * 1024 / 64)):

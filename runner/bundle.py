@@ -6,7 +6,6 @@ dlopen'ed: a flipped byte in a library must be a clear error, never undefined be
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Collection
@@ -15,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from runner.digests import DigestCache, is_digest, sha256_file, sha256_range, workers
 from runner.errors import BundleError
 from runner.manifest_fields import FieldError, check_dtype, check_name, check_shape, check_top, is_int, need
 
@@ -120,23 +120,19 @@ class FileEntry:
     chunks: list[str] | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.sha256, str) and _is_digest(self.sha256)) or not _is_count(self.size):
+        if not (isinstance(self.sha256, str) and is_digest(self.sha256)) or not _is_count(self.size):
             raise ValueError("a file entry needs a 64-hex-digit sha256 and a size >= 0")
         if self.chunks is None and self.chunk_size is None:
             return
         if not (_is_count(self.chunk_size) and self.chunk_size > 0 and isinstance(self.chunks, list)):
             raise ValueError("chunks need a chunk_size > 0 and a list of digests")
-        if len(self.chunks) != -(-self.size // self.chunk_size) or not all(_is_digest(c) for c in self.chunks):
+        if len(self.chunks) != -(-self.size // self.chunk_size) or not all(is_digest(c) for c in self.chunks):
             raise ValueError(f"{len(self.chunks)} chunk digests for {self.size} bytes in pieces of {self.chunk_size}")
 
     def pieces(self) -> list[tuple[int, int, str]]:
         """(offset, length, sha256) of each chunk."""
         n = self.chunk_size or 0
         return [(i * n, min(n, self.size - i * n), d) for i, d in enumerate(self.chunks or [])]
-
-
-def _is_digest(s) -> bool:
-    return isinstance(s, str) and len(s) == 64 and all(c in "0123456789abcdef" for c in s)
 
 
 def _is_count(n) -> bool:
@@ -198,100 +194,6 @@ class Manifest:
             raise BundleError(f"{source}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    return sha256_range(path, 0, None, chunk)
-
-
-def sha256_range(path: Path, offset: int, length: int | None, block: int = 1 << 20) -> str:
-    """sha256 of `length` bytes at `offset` (to the end when None)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        left = length
-        while left is None or left > 0:
-            data = f.read(block if left is None else min(block, left))
-            if not data:
-                break
-            h.update(data)
-            if left is not None:
-                left -= len(data)
-    return h.hexdigest()
-
-
-def _workers() -> int:
-    return max(1, min(16, os.cpu_count() or 1))
-
-
-def default_cache_dir() -> Path:
-    """The user cache: compiled `.so` files (export) and verified digests (runtime). The CLI may name another
-    (VOXTRAL_RUNNER_CACHE, XDG_CACHE_HOME: runner/app/options.py)."""
-    return Path.home() / ".cache" / "voxtral-runner"
-
-
-class DigestCache:
-    """Remembers the sha256 of files already hashed, keyed by (device, inode, size, mtime_ns, ctime_ns).
-
-    A 3B bundle is ~9 GB: hashing it on every load would dominate load time. ctime changes on any write to the
-    file (and cannot be set from user space), so a stat match means the bytes hashed earlier are still there;
-    anything else is hashed again. The path is not in the key: the exporter hashes its files in a staging
-    directory that is then renamed into place, and the first load must not hash them again.
-    `rehash` ignores what is remembered (and remembers afresh)."""
-
-    MAX_ENTRIES = 4096  # the oldest are dropped on save: the file must not grow with every bundle ever seen
-
-    def __init__(self, path: Path | None = None, rehash: bool = False):
-        self.path = path or default_cache_dir() / "digests.json"
-        self.rehash = rehash
-        try:
-            entries = json.loads(self.path.read_text())
-        except (OSError, ValueError, RecursionError):
-            entries = {}
-        # only a cache: anything but {stat key: digest} is ignored, and rebuilt as files are hashed
-        if not isinstance(entries, dict):
-            entries = {}
-        self.entries = {k: v for k, v in entries.items() if _is_digest(v)}
-        self.dirty = False
-
-    @staticmethod
-    def _key(p: Path) -> str:
-        st = p.stat()
-        return f"{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
-
-    def known(self, p: Path) -> str | None:
-        if self.rehash:
-            return None
-        return self.entries.get(self._key(p))
-
-    def remember(self, p: Path, digest: str) -> None:
-        self.entries[self._key(p)] = digest
-        self.dirty = True
-
-    def sha256(self, p: Path) -> str:
-        digest = self.known(p)
-        if digest is None:
-            digest = sha256_file(p)
-            self.remember(p, digest)
-        return digest
-
-    def sha256_all(self, paths: list[Path]) -> list[str]:
-        """Digests of several files, hashed in parallel (hashlib releases the GIL on large buffers), then saved."""
-        with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
-            digests = list(pool.map(self.sha256, paths))
-        self.save()
-        return digests
-
-    def save(self) -> None:
-        if not self.dirty:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(dict(list(self.entries.items())[-self.MAX_ENTRIES :])))
-            tmp.replace(self.path)
-        except OSError:
-            pass  # a read-only cache only costs time
-
-
 def safe_member(bundle_dir: Path, rel: str) -> Path:
     """Resolve a manifest path inside the bundle; refuse absolute paths, `..` and links: the file's own, and a
     directory's on the way to it (`lib/x.so` with `lib` a link out of the bundle is outside it)."""
@@ -313,7 +215,7 @@ def file_entries(
     remembered, so the first load of this bundle need not hash again; pieces hash on every core meanwhile."""
     paths = [bundle_dir / n for n in names]
     sizes = [p.stat().st_size for p in paths]
-    with ThreadPoolExecutor(max_workers=_workers()) as pool:
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
         pieces = {
             (n, off): pool.submit(sha256_range, p, off, min(chunk_size, size - off))
             for n, p, size in zip(names, paths, sizes)
@@ -434,7 +336,7 @@ def _verify_digests(entries: dict[str, FileEntry], paths: dict[str, Path], cache
     piece by piece on every core (and then remembered as verified); any other file is hashed whole. A remembered
     digest that disagrees is hashed again before it counts: the cache is only a cache."""
     mismatch = "sha256 does not match the manifest (corrupt or modified file)"
-    pool = ThreadPoolExecutor(max_workers=_workers())
+    pool = ThreadPoolExecutor(max_workers=workers())
     try:
         jobs = {}
         for rel, entry in entries.items():

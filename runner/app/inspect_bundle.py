@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from runner.bundle import MANIFEST_NAME, DigestCache, read_manifest, verify_bundle
+    from runner.bundle import MANIFEST_NAME, read_manifest, verify_bundle
+    from runner.digests import DigestCache
 
     digests = DigestCache(args.env.cache_dir / "digests.json", rehash=args.env.rehash)
     manifest = read_manifest(args.bundle) if args.no_verify else verify_bundle(args.bundle, digests=digests)

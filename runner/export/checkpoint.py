@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from runner.bundle import sha256_file
+from runner.digests import sha256_file
 from runner.errors import ExportError, RunnerError
 from runner.export import mistral_format
 from runner.families.voxtral import AUDIO_TOKEN, Tekken

@@ -17,7 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
-from runner.bundle import sha256_file
+from runner.digests import sha256_file
 
 log = logging.getLogger(__name__)
 

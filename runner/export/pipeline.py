@@ -27,14 +27,8 @@ from torch import nn
 
 from runner import __version__
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
-from runner.bundle import (
-    FORMAT_VERSION,
-    DigestCache,
-    Manifest,
-    default_cache_dir,
-    file_entries,
-    write_manifest,
-)
+from runner.bundle import FORMAT_VERSION, Manifest, file_entries, write_manifest
+from runner.digests import DigestCache, default_cache_dir
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
@@ -62,7 +56,7 @@ class ExportOptions:
     max_seq_len: int | None = None  # None: room for the longest audio, a prompt and its answer (context_for)
     max_audio_chunks: int = DEFAULT_AUDIO_CHUNKS  # 10 minutes of audio in one prompt
     debug: bool = False  # AOTI debug compile, generated sources kept in the bundle's debug/ (the seed's DEBUG=1)
-    cache_dir: Path | None = None  # compile cache and remembered digests (None: bundle.default_cache_dir())
+    cache_dir: Path | None = None  # compile cache and remembered digests (None: digests.default_cache_dir())
     check: bool = True  # run every method against eager before publishing
     pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
     force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runner.bundle import Manifest, read_manifest, sha256_file
+from runner.bundle import Manifest, read_manifest
+from runner.digests import sha256_file
 from runner.errors import RunnerError
 from runner.export.checkpoint import generator_id, random_model
 from runner.export.pipeline import ExportOptions, method_weights, prepare

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner.bundle import sha256_file
+from runner.digests import sha256_file
 from runner.export.checkpoint import ModelSource, load_state
 from runner.export.ct2 import ConversionError, CT2Model, read_ct2
 from runner.models.voxtral_config import AudioConfig

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from runner.bundle import MethodSpec, TensorSpec, safe_member, sha256_file
+from runner.bundle import MethodSpec, TensorSpec, safe_member
+from runner.digests import sha256_file
 from runner.errors import DelegateError
 from runner.runtime.tensor_meta import MetaCache
 from runner.runtime.weights import load_weights

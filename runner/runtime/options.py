@@ -13,4 +13,4 @@ class RuntimeOptions:
     warm_up: bool = True  # CUDA: first method calls and the decode graph's capture at load (ProgramEngine.warm_up)
     pdl: bool = True  # CUDA: programmatic graph edges for a bundle whose kernels wait (manifest `pdl`)
     rehash: bool = False  # hash every bundle file again, ignoring the digests remembered for it
-    cache_dir: Path | None = None  # where verified digests are remembered (None: bundle.default_cache_dir())
+    cache_dir: Path | None = None  # where verified digests are remembered (None: digests.default_cache_dir())

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from runner.bundle import DigestCache, Manifest, MethodSpec, default_cache_dir, verify_bundle
+from runner.bundle import Manifest, MethodSpec, verify_bundle
+from runner.digests import DigestCache, default_cache_dir
 from runner.errors import BundleError
 from runner.runtime.delegate import AOTIBackend, Handle, SharedTensors
 from runner.runtime.options import RuntimeOptions

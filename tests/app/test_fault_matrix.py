@@ -33,7 +33,8 @@ from runner.app import fetch
 from runner.app.cli import main
 from runner.app.options import Environment
 from runner.audio import N_SAMPLES, SAMPLE_RATE
-from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, file_entries, read_manifest, sha256_file, write_manifest
+from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, file_entries, read_manifest, write_manifest
+from runner.digests import sha256_file
 from runner.families.voxtral.tokenizer import Tekken
 
 try:

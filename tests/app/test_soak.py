@@ -37,7 +37,8 @@ import torch
 from conftest import prompt_for, runner_for
 
 from runner.audio import N_SAMPLES, SAMPLE_RATE, load_audio, num_chunks
-from runner.bundle import file_entries, read_manifest, sha256_file, write_manifest
+from runner.bundle import file_entries, read_manifest, write_manifest
+from runner.digests import sha256_file
 from runner.errors import GenerationError
 from runner.runtime.generate import GenerationOptions, MultimodalRunner
 from runner.runtime.program import Program

@@ -19,7 +19,6 @@ from runner.bundle import (
     MANIFEST_NAME,
     METHOD_NAMES,
     STEP_METHOD,
-    DigestCache,
     FileEntry,
     Manifest,
     MethodSpec,
@@ -27,10 +26,10 @@ from runner.bundle import (
     TensorSpec,
     file_entries,
     read_manifest,
-    sha256_file,
     verify_bundle,
     write_manifest,
 )
+from runner.digests import DigestCache, sha256_file
 from runner.errors import BundleError
 from runner.runtime.program import Program
 

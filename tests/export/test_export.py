@@ -18,15 +18,8 @@ from conftest import AUDIO, CACHE, OTHER_HF_CONFIG
 from safetensors import safe_open
 
 from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK, load_audio, pad_to_chunks
-from runner.bundle import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    METHOD_NAMES,
-    STEP_METHOD,
-    read_manifest,
-    sha256_file,
-    verify_bundle,
-)
+from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METHOD, read_manifest, verify_bundle
+from runner.digests import sha256_file
 from runner.errors import DelegateError, ExportError
 from runner.export import pipeline as exporter
 from runner.export.checkpoint import load_checkpoint

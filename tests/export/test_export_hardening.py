@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from runner.app.cli import main
-from runner.bundle import MANIFEST_NAME, read_manifest, sha256_file, verify_bundle
+from runner.bundle import MANIFEST_NAME, read_manifest, verify_bundle
+from runner.digests import sha256_file
 from runner.export.compile_cache import CompileCache
 
 ROOT = Path(__file__).resolve().parents[2]

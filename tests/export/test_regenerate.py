@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.bundle import MANIFEST_NAME, read_manifest, sha256_file, verify_bundle
+from runner.bundle import MANIFEST_NAME, read_manifest, verify_bundle
+from runner.digests import sha256_file
 from runner.errors import RunnerError
 from runner.export.checkpoint import TINY_SEED, random_model
 from runner.export.regenerate import regenerate, weight_files

@@ -23,7 +23,7 @@ from runner.errors import ExportError, RunnerError
 from runner.export import mistral_format
 from runner.families.voxtral import AUDIO_TOKEN, Tekken
 from runner.fixtures import fixtures_dir
-from runner.models.state import load_state
+from runner.models.state import empty_model, load_state
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_config import VoxtralConfig, preset
 
@@ -183,9 +183,7 @@ def random_model(
     digest = hashlib.sha256(
         json.dumps([config.to_dict(), seed, device, str(dtype)], sort_keys=True).encode()
     ).hexdigest()
-    with torch.device("meta"):
-        model = Voxtral(config)
-    model = model.to(dtype).to_empty(device=device).init_weights(seed)
+    model = empty_model(lambda: Voxtral(config)).to(dtype).to_empty(device=device).init_weights(seed)
     return model.eval(), ModelSource("random-init", preset_name, digest, seed, generator_id(device))
 
 

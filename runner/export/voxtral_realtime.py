@@ -37,7 +37,7 @@ from runner.export.pipeline import (
 from runner.families.voxtral import Tekken
 from runner.families.voxtral_realtime import NAME, SPECIAL_TOKENS
 from runner.fixtures import fixtures_dir
-from runner.models.state import load_state
+from runner.models.state import empty_model, load_state
 from runner.models.voxtral_realtime import (
     DecoderState,
     DecoderStep,
@@ -90,8 +90,7 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
 def random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> tuple[VoxtralRealtime, ModelSource]:
     config = preset(name)
     digest = hashlib.sha256(json.dumps([config.to_dict(), seed, device, str(dtype)], sort_keys=True).encode())
-    with torch.device("meta"):
-        model = VoxtralRealtime(config)
+    model = empty_model(lambda: VoxtralRealtime(config))
     model = model.to_empty(device=device).to(dtype).init_weights(seed)
     return model.eval(), ModelSource("random-init", name, digest.hexdigest(), seed)
 

@@ -20,6 +20,7 @@ import torch
 from runner.digests import sha256_file
 from runner.export.checkpoint import ModelSource, load_state
 from runner.export.ct2 import ConversionError, CT2Model, read_ct2
+from runner.models.state import empty_model
 from runner.models.voxtral_config import AudioConfig
 from runner.models.whisper import Whisper, WhisperConfig, WhisperTextConfig
 
@@ -189,8 +190,7 @@ def ct2_to_state(ct2: CT2Model, config: WhisperConfig) -> dict[str, torch.Tensor
 def convert(model_bin: Path) -> tuple[Whisper, WhisperConfig]:
     ct2 = read_ct2(model_bin, expect_spec=SPEC, expect_revision=SPEC_REVISION)
     config = config_from_ct2(ct2)
-    with torch.device("meta"):  # no default init of weights that are replaced next
-        model = Whisper(config)
+    model = empty_model(lambda: Whisper(config))
     # every key and shape, or one error; the converted tensors become the parameters
     load_state(model, ct2_to_state(ct2, config), source=str(model_bin), assign=True)
     return model.eval(), config

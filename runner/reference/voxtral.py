@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from runner.bundle import Manifest
 from runner.models import voxtral
 from runner.models.quant_linear import use_quant_layout
-from runner.models.state import load_state
+from runner.models.state import empty_model, load_state
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_batch import BatchDecoder, SlotCaches
 from runner.models.voxtral_config import VoxtralConfig
@@ -28,8 +28,7 @@ def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtra
     for method, pre in prefix.items():
         for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
             state["language_model." + k if k.startswith("lm_head.") else pre + k] = v
-    with torch.device("meta"):  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
-        model = Voxtral(config)
+    model = empty_model(lambda: Voxtral(config))  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
     if quant := manifest.model.get("quant"):  # an int4 bundle: its linears as QuantLinear (packed codes, scales)
         use_quant_layout(model, quant["modules"], quant["group_size"])
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from runner.bundle import Manifest
 from runner.models import whisper
 from runner.models.quant_linear import use_quant_layout
-from runner.models.state import load_state
+from runner.models.state import empty_model, load_state
 from runner.models.whisper import Whisper, WhisperConfig
 from runner.reference.engine import EagerEngine
 
@@ -30,10 +30,9 @@ def whisper_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Whis
             state[k] = v
     for m in ("token_embedding", "text_decoder"):
         state.update({f"decoder.{k}": v for k, v in files[m].items()})
-    with torch.device("meta"):  # no default init of weights that are replaced next (~0.25 s of a run)
-        model = Whisper(config)
-        if quant := manifest.model.get("quant"):  # an int4 bundle: its decoder linears as QuantLinear
-            use_quant_layout(model, quant["modules"], quant["group_size"])
+    model = empty_model(lambda: Whisper(config))
+    if quant := manifest.model.get("quant"):  # an int4 bundle: its decoder linears as QuantLinear
+        use_quant_layout(model, quant["modules"], quant["group_size"])
     load_state(model, state, source=str(bundle_dir), assign=True)
     model = model.to(device=device, dtype=dtype).eval()
     model.setup_caches(manifest.model["max_seq_len"], dtype)

@@ -174,7 +174,7 @@ mode_export() {
   run_for "$T_EXPORT" python3 -m runner export --preset voxtral-mini-3b --random-init --device cuda --dtype bf16 \
     "${extra[@]}" --out "$BUNDLE" > "$OUT/3b_export.log" 2>&1
   rc=$?
-  grep -E "compiled|error vs|^error" "$OUT/3b_export.log" | head -20
+  grep -E "compiled|error vs|^error|did not compile" "$OUT/3b_export.log" | head -20
   if ((rc != 0)) || [ ! -f "$BUNDLE/model.pte" ]; then
     tail -30 "$OUT/3b_export.log"
     NOTE="export failed (rc $rc): later modes skipped"

@@ -57,6 +57,8 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     if m.get("family", "voxtral") == "voxtral":
         console.print(batch_line(m), highlight=False)
     console.print(quant_line(m.get("quant")), highlight=False)
+    for name, why in (m.get("fallbacks") or {}).items():  # export compiled a plan's fallback (pipeline.build_bundle)
+        console.print(f"{name}: its fallback was compiled (the first did not compile: {why})", highlight=False)
     console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
     methods = Table("method", "inputs", "outputs", "state", "library", title="methods")
     for name, spec in manifest.methods.items():

@@ -84,9 +84,8 @@ def run_files(program: Program, args: argparse.Namespace, load: Stats, work: Wor
         raise RunnerError(f"{program.bundle_dir}: a streaming bundle; use `python -m runner stream`")
     tok = family.tokenizer
     engine = ProgramEngine(program, args.runtime, cross_attention=family.cross_attention)
-    if args.runtime.warm_up:  # part of the load: ready means the first file pays no first-call costs
-        t0 = now_ms()
-        engine.warm_up()
+    t0 = now_ms()
+    if args.runtime.warm_up and engine.warm_up():  # part of the load: the first file pays no first-call costs
         load.model_load_end_ms = now_ms()
         load.warm_up_ms = load.model_load_end_ms - t0
     runner = MultimodalRunner(engine, tok, family.audio_id)

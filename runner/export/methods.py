@@ -59,6 +59,9 @@ class MethodPlan:
     key_extra: dict = field(default_factory=dict)  # what this method's compile depends on beyond the family's key
     # after its compile: free what only its trace needed (state traced at full size, which torch keeps alive)
     release: Callable[[], None] | None = None
+    # compiled instead when this plan's compile fails (a hand-written kernel an older torch cannot compile): the
+    # same method, spec and weights; the manifest's `model.fallbacks` names the method and why
+    fallback: MethodPlan | None = None
 
     def exported(self) -> torch.export.ExportedProgram:
         if self.export is not None:

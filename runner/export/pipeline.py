@@ -90,6 +90,7 @@ class ExportReport:
     compile_seconds: dict[str, float] = field(default_factory=dict)
     cached: dict[str, bool] = field(default_factory=dict)
     max_error: dict[str, float] = field(default_factory=dict)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # method -> why its plan's fallback was compiled
 
 
 # ---------------------------------------------------------------- compile, with a cache
@@ -256,6 +257,7 @@ def build_bundle(
     sources, its switches), hashed into the cache key; `weights_filter(method, fqn)` may drop weights a method
     does not use."""
     out, dtype = absolute_destination(Path(out)), DTYPES[opts.dtype]
+    plans = list(plans)  # a plan that falls back is replaced here, not in the caller's list
     cache = CompileCache(opts.cache_root / "compiled")
     digests = DigestCache(opts.cache_root / "digests.json")
     report = ExportReport()
@@ -264,21 +266,26 @@ def build_bundle(
     try:
         debug_dir = stage / "debug" if opts.debug else None
         written: dict[str, set[str]] = {}  # weights file -> its FQNs
-        for plan in plans:
-            key = cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
+        for i, plan in enumerate(plans):
             so = stage / f"{plan.name}.so"
             t0 = time.perf_counter()
             sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
-            report.cached[plan.name] = cache.fetch(key, plan.name, so, sources)
-            if not report.cached[plan.name]:
+            try:
+                report.cached[plan.name] = _fetch_or_compile(
+                    plan, model, source, opts, family_key, cache, so, sources, progress
+                )
+            except Exception as e:
+                if plan.fallback is None:
+                    raise
+                why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                log.warning("%s did not compile (%s); compiling its fallback", plan.name, why)
                 if progress:
-                    progress(plan.name, "compiling")
-                with tempfile.TemporaryDirectory(dir=stage) as work:
-                    shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), so)
-                release_compile_copies()
-                if plan.release is not None:
-                    plan.release()
-                cache.store(key, plan.name, so, sources)
+                    progress(plan.name, f"did not compile ({why}); compiling the fallback")
+                report.fallbacks[plan.name] = why
+                plan = plans[i] = plan.fallback
+                report.cached[plan.name] = _fetch_or_compile(
+                    plan, model, source, opts, family_key, cache, so, sources, progress
+                )
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             weights = {
                 k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)
@@ -306,7 +313,12 @@ def build_bundle(
             device=opts.device,
             gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
             dtype=dtype_name(dtype),
-            model={**meta, "compile_seconds": report.compile_seconds, "compile_cached": report.cached},
+            model={
+                **meta,
+                "compile_seconds": report.compile_seconds,
+                "compile_cached": report.cached,
+                **({"fallbacks": report.fallbacks} if report.fallbacks else {}),
+            },
             methods={p.name: p.spec for p in plans},
             files=file_entries(stage, files, digests=digests),
             created_by=f"runner {__version__}",
@@ -325,6 +337,24 @@ def build_bundle(
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return report
+
+
+def _fetch_or_compile(
+    plan, model, source, opts, family_key, cache, so: Path, sources: Path | None, progress=None
+) -> bool:
+    """The method's `.so` into `so`, from the compile cache or compiled (then cached); whether it was cached."""
+    key = cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
+    if cache.fetch(key, plan.name, so, sources):
+        return True
+    if progress:
+        progress(plan.name, "compiling")
+    with tempfile.TemporaryDirectory(dir=so.parent) as work:
+        shutil.copyfile(compile_method(plan, opts, Path(work), sources.parent if sources is not None else None), so)
+    release_compile_copies()
+    if plan.release is not None:
+        plan.release()
+    cache.store(key, plan.name, so, sources)
+    return False
 
 
 def self_check(program: Program, plan: MethodPlan, model: nn.Module, dtype: torch.dtype) -> float:

@@ -88,21 +88,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             ),
             [(ids(5),), (ids(1),)],
         ),
-        MethodPlan(
-            "text_decoder",
-            prefill_module(model, opts.device),
-            (emb(3), torch.arange(3, device=dev)),
-            ({1: seq}, {0: seq}),
-            method_spec(
-                "text_decoder",
-                [("embeds", dtype_name(dtype), [1, dim(1, S), H]), ("cache_position", "int64", [dim(1, S)])],
-                [("logits", "float32", [1, c.text.vocab_size])],
-                state,
-            ),
-            # against the decoder that attends to the cache; the step after it only matches if the cache was written
-            [(emb(7), torch.arange(7, device=dev))],
-            reference=m.text_decoder,
-        ),
+        prefill_plan(model, opts, state, emb, seq, m.text_decoder),
         MethodPlan(
             "text_decoder_step",
             decode_step_module(model, opts.device, opts.pdl),
@@ -123,6 +109,37 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
         ),
         *batched,
     ]
+
+
+def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference: nn.Module) -> MethodPlan:
+    """text_decoder: a prompt into an empty cache, attending to the prompt alone (prefill_module). Where that is the
+    Triton op, the whole-cache decoder is its fallback: should the op not compile (a torch whose AOTInductor cannot
+    take it), the export still gives a bundle, and the manifest's `model.fallbacks` says so."""
+    c, dev, dtype, S, H = (
+        model.config,
+        torch.device(opts.device),
+        DTYPES[opts.dtype],
+        opts.max_seq_len,
+        model.config.text.dim,
+    )
+    plan = MethodPlan(
+        "text_decoder",
+        prefill_module(model, opts.device),
+        (emb(3), torch.arange(3, device=dev)),
+        ({1: seq}, {0: seq}),
+        method_spec(
+            "text_decoder",
+            [("embeds", dtype_name(dtype), [1, dim(1, S), H]), ("cache_position", "int64", [dim(1, S)])],
+            [("logits", "float32", [1, c.text.vocab_size])],
+            state,
+        ),
+        # against the decoder that attends to the cache; the step after it only matches if the cache was written
+        [(emb(7), torch.arange(7, device=dev))],
+        reference=reference,
+    )
+    if _triton_tiles(model, opts.device):
+        plan.fallback = replace(plan, module=model.decoder(), key_extra={"prefill": "whole-cache"})
+    return plan
 
 
 class TracedSlots:

@@ -170,14 +170,14 @@ class ProgramEngine:
         self.program.reset_state(keep=(BATCH_METHOD,))  # the slots hold sequences in flight
         self._features_ok.fill_(True)
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Every method called once on inputs of a transcription's size, and the decode step captured (reset):
         a CUDA method's first call loads its kernels (the driver loads each at its first launch; cuBLAS picks and
         loads GEMM kernels by shape) and creates library handles and workspaces, which made a process's first
         generate() slow (issue 20: 392 ms to the first token against 13.7 warm). Done at load instead; the caches
-        are wiped after. Nothing on CPU, where a first call costs what any call does."""
+        are wiped after. Nothing on CPU, where a first call costs what any call does: returns whether it ran."""
         if self.device != "cuda":
-            return
+            return False
         self.reset()  # with graphs: the decode step's capture
         mel = self.preprocess(torch.zeros(N_SAMPLES, dtype=torch.float32, device=self.device))
         self.encode(to_encoder_dtype(mel, self.encoder_dtype))
@@ -187,6 +187,7 @@ class ProgramEngine:
         self.decode_token(logits.argmax(-1).view(1, 1), n)
         torch.cuda.synchronize(self.device)
         self.reset()
+        return True
 
     def admit(self, slot: int, length: int) -> None:
         """The prompt just prefilled into `slot` (admit_into_slot)."""

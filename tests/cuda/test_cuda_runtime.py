@@ -141,3 +141,11 @@ def test_warm_up_leaves_nothing_behind(cuda_bundle):
     assert got.tokens == want.tokens and got.prompt_ids == want.prompt_ids
     for a, b in zip(got.logits, want.logits):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def test_the_prefill_compiled_is_the_triton_flash_attention(cuda_bundle):
+    """The CUDA text_decoder's own plan compiled (the Triton prefill op, export/kernels_prefill.py), not its
+    whole-cache fallback: a torch that cannot compile the op would still export, and this says so."""
+    from runner.bundle import read_manifest
+
+    assert "fallbacks" not in read_manifest(cuda_bundle).model

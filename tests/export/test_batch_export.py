@@ -5,8 +5,10 @@ byte for byte what they were; a family without a batched step refuses the flag i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
+import torch
 
 from runner.app.cli import build_parser, main
 from runner.bundle import BATCH_STATE_PREFIX, read_manifest
@@ -103,3 +105,40 @@ def test_the_traced_slot_caches_are_freed_after_the_compile_and_the_eager_caches
     plan.release()
     assert all(b.untyped_storage().nbytes() == 0 for b in slots)
     assert all(torch.equal(b, torch.full_like(b, 0.5)) for b in eager)
+
+
+class Broken(torch.nn.Module):
+    """A method that cannot be exported, as a kernel an older torch cannot compile."""
+
+    def forward(self, embeds, cache_position):
+        raise RuntimeError("no kernel for this torch\nsecond line of the error")
+
+
+def test_a_method_whose_compile_fails_is_compiled_as_its_fallback(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """A plan with a fallback (the CUDA text_decoder's: the Triton prefill, else the whole-cache decoder) whose own
+    compile fails: the export compiles the fallback, records why in `model.fallbacks`, inspect says so, and the
+    bundle passes its self-check and runs. A plan without one fails the export as before."""
+    from conftest import export_cached
+
+    from runner.export import voxtral as vx
+
+    original = vx.prefill_plan
+
+    def failing_first(model, opts, *args):
+        plan = original(model, opts, *args)
+        return replace(plan, module=Broken(), key_extra={"test": "broken"}, fallback=replace(plan))
+
+    monkeypatch.setattr(vx, "prefill_plan", failing_first)
+    out = export_cached(tiny_checkpoint, tmp_path / "fb", max_audio_chunks=1, max_seq_len=512)
+    fallbacks = read_manifest(out).model["fallbacks"]
+    assert list(fallbacks) == ["text_decoder"] and fallbacks["text_decoder"] == "RuntimeError: no kernel for this torch"
+    assert main(["inspect", str(out), "--no-verify"]) == 0
+    assert "text_decoder: its fallback was compiled (the first did not compile: RuntimeError" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    assert main(["run", "--bundle", str(out), "--audio", "fixtures/audio/speech.wav", "--max-new-tokens", "4"]) == 0
+
+    monkeypatch.setattr(vx, "prefill_plan", lambda *a: replace(original(*a), module=Broken(), key_extra={"t": 1}))
+    with pytest.raises(RuntimeError, match="no kernel for this torch"):
+        export_cached(tiny_checkpoint, tmp_path / "none", max_audio_chunks=1, max_seq_len=512)
+    assert not (tmp_path / "none").exists()

@@ -245,10 +245,9 @@ def bench_ours(
                 res.samples.setdefault(f"load_{k}_ms", []).append(v)
             res.samples.setdefault("load_total_ms", []).append(total)
         engine = ProgramEngine(program, options)
-        if options.warm_up and engine.device == "cuda":  # as `run`: load to ready is load_total + load_warm_up
-            clock.sync()
-            t0 = time.perf_counter()
-            engine.warm_up()
+        clock.sync()
+        t0 = time.perf_counter()
+        if options.warm_up and engine.warm_up():  # as `run`: load to ready is load_total + load_warm_up
             clock.sync()
             res.samples["load_warm_up_ms"] = [(time.perf_counter() - t0) * 1e3]
         res.samples["first_ttft_ms"] = [first_ttft(engine, tok, plan, clock)]

@@ -76,3 +76,56 @@ def test_tiny_prefill_through_the_op_matches_the_written_out_prefill():
     assert (op - whole).abs().max() / scale < 1e-2
     assert torch.equal(op_k[0], written_k[0])  # the first layer's keys come before any attention
     assert all((a - b).abs().max() < 1e-2 * b.abs().max() for a, b in zip(op_k, written_k))
+
+
+# A fresh interpreter: the kernel must be a JIT function here (this module made it an interpreted one on a CPU
+# machine), and without a GPU Triton needs a stand-in driver that names the H200's target.
+COMPILE = r"""
+import json, torch, triton
+import torch._higher_order_ops.triton_kernel_wrap as tkw
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from runner.export import kernels_prefill as KP
+
+H200 = GPUTarget("cuda", 90, 32)
+if not torch.cuda.is_available():
+    class Hopper:
+        def get_current_target(self):
+            return H200
+    triton.runtime.driver.set_active(Hopper())
+
+bm, bn, warps, stages = KP.prefill_config(128)
+consts = {"QK_SCALE": 128**-0.5 * KP.LOG2E, "REP": 4, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn}
+sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16"), "n_rows": "i32", "kv_stride_h": "i32",
+       **dict.fromkeys(consts, "constexpr")}
+k = triton.compile(ASTSource(KP._prefill_attention_kernel, sig, consts), target=H200,
+                   options={"num_warps": warps, "num_stages": stages})
+z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
+kw = dict(q_ptr=z(4 * 64 * 128), k_ptr=z(64 * 128), v_ptr=z(64 * 128), out_ptr=z(4 * 64 * 128), n_rows=256,
+          kv_stride_h=64 * 128, **consts)
+if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
+    writes = sorted(d.name for d in tkw.identify_accessed_tensors(KP._prefill_attention_kernel, kw, {}).read_writes.writes)
+else:  # torch 2.11, the H200's
+    writes = sorted(tkw.identify_mutated_tensors(KP._prefill_attention_kernel, kw, {}))
+print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma" in k.asm["ptx"], "writes": writes}))
+"""
+
+
+def test_the_3b_tile_compiles_for_the_h200_and_writes_only_its_output():
+    """The 3B's tile (head 128, rep 4) compiled for sm_90 by Triton here, no GPU needed: it fits the H200's shared
+    memory and its dots are Hopper's wgmma; and AOTInductor's analysis of the Triton IR finds it writes its output
+    alone (a kernel that seemed to write the KV cache would have the export copy the cache: NOTES item 26)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, cwd=root, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["writes"] == ["out_ptr"]
+    assert got["wgmma"] and 0 < got["shared"] <= 227 * 1024

@@ -42,6 +42,7 @@ SOURCE_FILES = (
     "export/kernels.py",
     "export/kernels_int4.py",
     "export/kernels_prefill.py",
+    "export/kernels_batch.py",
     "export/quant.py",
     "models/quant_linear.py",
 )
@@ -165,9 +166,10 @@ CHECK_SLOTS = 2  # the eager model's slots for the self-check: batches of 1 and 
 def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
     """text_decoder_batch: embeds [B, 1, H], cache_position [B] -> logits [B, V], B = 1..max_batch, over a slot
     cache of max_batch rows (its own state; the runtime copies prefilled prompts into it). The plain decoder at a
-    dynamic B (Inductor's GEMMs: at B > 1 the weights are read once for B tokens, which is the point). Traced over
-    a slot cache of max_batch rows that lives only while it compiles; the self-check's eager side keeps
-    CHECK_SLOTS (at 3B, max_batch slots of cache twice over would not fit beside the model)."""
+    dynamic B (Inductor's GEMMs: at B > 1 the weights are read once for B tokens, which is the point); on CUDA its
+    attention is the Triton op over each row's valid positions (kernels_batch.py), the written-out step its
+    fallback. Traced over a slot cache of max_batch rows that lives only while it compiles; the self-check's eager
+    side keeps CHECK_SLOTS (at 3B, max_batch slots of cache twice over would not fit beside the model)."""
     c, dev, dtype, n = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_batch
     g = torch.Generator().manual_seed(4321)
     emb = lambda b: (torch.randn(b, 1, c.dim, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
@@ -182,8 +184,8 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
 
     traced = TracedSlots()
 
-    def export():
-        module = BatchDecoder(c, model.language_model, SlotCaches(c, n, opts.max_seq_len, dtype, dev))
+    def export(attend=None):
+        module = BatchDecoder(c, model.language_model, SlotCaches(c, n, opts.max_seq_len, dtype, dev), attend)
         traced.modules.append(module)
         b = Dim("batch", min=1, max=n)
         # 2 rows: 1 would specialise B; size-oblivious tracing keeps the program general where the trace would
@@ -193,7 +195,7 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
 
     # one row alone, then two at different positions (row 1 starts later and ends apart), against eager
     steps = [(0,), (1, 0), (2, 1), (3, 2), (4, 7)]
-    return MethodPlan(
+    plan = MethodPlan(
         BATCH_METHOD,
         eager,
         (emb(2), pos(0, 0)),
@@ -212,6 +214,13 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         key_extra={"max_batch": n},
         release=traced.release,
     )
+    if _triton_tiles(model, opts.device):  # each row's own positions through the Triton op; the whole slot else
+        from runner.export import kernels_batch  # imports Triton
+
+        written_out = plan
+        plan = replace(plan, export=lambda: export(kernels_batch.attend), key_extra={"max_batch": n, "attend": 1})
+        plan.fallback = written_out
+    return plan
 
 
 def _triton_tiles(model: Voxtral, device: str) -> bool:

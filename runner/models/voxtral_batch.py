@@ -60,9 +60,11 @@ class SlotCaches(nn.Module):
 
 
 def slot_attention(
-    attn: Attention, x: torch.Tensor, cos, sin, pos: torch.Tensor, mask: torch.Tensor, kv: SlotKV
+    attn: Attention, x: torch.Tensor, cos, sin, pos: torch.Tensor, mask: torch.Tensor, kv: SlotKV, attend=None
 ) -> torch.Tensor:
-    """Attention.forward for one token per row, over each row's slot: x [B, 1, dim], cos/sin [B, D], mask [B, S]."""
+    """Attention.forward for one token per row, over each row's slot: x [B, 1, dim], cos/sin [B, D], mask [B, S].
+    `attend` (q [B, H_kv, rep, D], keys, values, pos -> y of q's shape): the kernel for the part after the cache
+    write (the CUDA export's Triton op, export/kernels_batch.py); else written out over the whole slot."""
     c = attn.c
     n_kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
     q, k, v = attn.qkv_proj(x).split([c.n_heads * d, n_kv * d, n_kv * d], dim=-1)
@@ -74,20 +76,23 @@ def slot_attention(
     k = apply_rope(k, cos[:, None, None, :], sin[:, None, None, :])
     keys, values = kv.update(pos, k, v)  # [B, H_kv, S, D]
     q = q.flatten(2, 3)  # [B, H_kv, rep, D]
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * d**-0.5  # [B, H_kv, rep, S]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    y = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, rep, D]
+    if attend is not None:
+        y = attend(q.contiguous(), keys, values, pos)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * d**-0.5  # [B, H_kv, rep, S]
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, rep, D]
     return attn.o_proj(y.flatten(1).unsqueeze(1))  # heads in order j*rep + r: [B, 1, n_heads * D]
 
 
 class BatchDecoder(nn.Module):
     """embeds [B, 1, dim], cache_position [B] int64 -> logits [B, vocab] float32; writes slot b at its position.
     `state` is the slot cache it reads and writes (another set of slots over the same weights: the exporter
-    traces one of `--max-batch` slots, the eager self-check keeps a smaller one)."""
+    traces one of `--max-batch` slots, the eager self-check keeps a smaller one); `attend`, slot_attention's."""
 
-    def __init__(self, c: TextConfig, lm: LanguageModel, state: SlotCaches):
+    def __init__(self, c: TextConfig, lm: LanguageModel, state: SlotCaches, attend=None):
         super().__init__()
-        self.c = c
+        self.c, self.attend = c, attend
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
         # named `batch`: the slot caches' FQNs are the batch-1 caches' under runner.bundle.BATCH_STATE_PREFIX
         # (batch.layers.i.self_attn.kv_cache.k_cache), by which the runtime pairs them
@@ -100,6 +105,6 @@ class BatchDecoder(nn.Module):
         x = embeds
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            x = x + slot_attention(layer.self_attn, h, cos, sin, cache_position, mask, self.batch.kv(i))
+            x = x + slot_attention(layer.self_attn, h, cos, sin, cache_position, mask, self.batch.kv(i), self.attend)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x[:, -1, :])).float()

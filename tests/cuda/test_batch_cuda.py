@@ -55,3 +55,11 @@ def test_batched_steps_replay_a_graph_per_bucket_and_keep_batch_1s_tokens(batch_
             margin = (ref[0, b.tokens[first]] - ref[0, a.tokens[first]]).item()
             error = (a.logits[first] - ref).abs().max().item()
             assert margin <= 2 * error, f"{FILES[key]}: token {first} differs, batch 1's margin {margin:.3g}"
+
+
+def test_the_batched_attention_compiled_is_the_triton_op(batch_bundle):
+    """text_decoder_batch's own plan compiled (each row over its own positions, export/kernels_batch.py), and the
+    prefill's too: no fallback recorded."""
+    from runner.bundle import read_manifest
+
+    assert "fallbacks" not in read_manifest(batch_bundle).model

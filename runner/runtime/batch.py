@@ -262,7 +262,8 @@ class _Batcher:
         n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         active = self.slots[:n]
         tokens = torch.tensor([[s.tokens[-1] if s else 0] for s in active], dtype=torch.int64).to(e.device)
-        pos = torch.tensor([s.pos if s else e.max_seq_len - 1 for s in active], dtype=torch.int64).to(e.device)
+        # a free slot below the highest in use decodes position 0: cheap to attend to, rewritten when it is taken
+        pos = torch.tensor([s.pos if s else 0 for s in active], dtype=torch.int64).to(e.device)
         logits = e.decode_batch(tokens, pos)  # [n, V]
         t0 = now_ms()
         if all(s is None or s.sampler.generator is None for s in active):

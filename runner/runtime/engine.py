@@ -195,7 +195,7 @@ class ProgramEngine:
 
     def decode_batch(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tokens [B, 1] int64, pos [B] int64 (row b is slot b) -> logits [B, V] float32, on CUDA from the graph
-        of the smallest captured batch >= B (its rows past B decode a parked position of free slots)."""
+        of the smallest captured batch >= B (its rows past B decode position 0 of free slots)."""
         if self._batch is None:
             raise GenerationError(f"{self.program.bundle_dir}: no text_decoder_batch (export with --max-batch N)")
         if self.use_cuda_graph:

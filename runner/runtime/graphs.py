@@ -94,13 +94,13 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 class BatchGraphs:
     """The batched decode step (tokens [B, 1], positions [B] -> logits [B, V]) as one CUDA graph per batch size
-    of batch_sizes(); a step of n rows replays the smallest size >= n, its rows past n at `park`, the context's
-    last position. Capturing runs real steps (the warm-ups) at `park` too, so it may happen while sequences are
-    in flight: a sequence writes a position before it attends to it, so whatever was parked there is overwritten
-    first."""
+    of batch_sizes(); a step of n rows replays the smallest size >= n. Its rows past n are free slots (the caller's
+    contract), decoded at position 0: the cheapest for an attention that reads a row's own positions, and harmless,
+    as admitting a prompt rewrites a slot from position 0. Capturing runs real steps (the warm-ups) over every row,
+    so it may happen while sequences are in flight: it runs them at `park`, the context's last position, which a
+    sequence writes before it attends to it."""
 
     def __init__(self, step: Step, device: str, max_batch: int, park: int):
-        self.park = park
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for b in batch_sizes(max_batch):
             token = torch.zeros(b, 1, dtype=torch.int64, device=device)
@@ -115,7 +115,7 @@ class BatchGraphs:
         token[:n].copy_(tokens.view(n, 1))
         token[n:].zero_()
         position[:n].copy_(pos)
-        position[n:].fill_(self.park)
+        position[n:].zero_()
         graph.replay()
         return logits[:n]  # static: read it before the next step
 

@@ -266,14 +266,28 @@ def build_bundle(
     try:
         debug_dir = stage / "debug" if opts.debug else None
         written: dict[str, set[str]] = {}  # weights file -> its FQNs
-        for i, plan in enumerate(plans):
+
+        def fetch_or_compile(plan: MethodPlan) -> bool:
+            """The method's `.so` into the stage, from the compile cache or compiled (then cached): whether cached."""
+            key = cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
             so = stage / f"{plan.name}.so"
-            t0 = time.perf_counter()
             sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
+            if cache.fetch(key, plan.name, so, sources):
+                return True
+            if progress:
+                progress(plan.name, "compiling")
+            with tempfile.TemporaryDirectory(dir=stage) as work:
+                shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), so)
+            release_compile_copies()
+            if plan.release is not None:
+                plan.release()
+            cache.store(key, plan.name, so, sources)
+            return False
+
+        for i, plan in enumerate(plans):
+            t0 = time.perf_counter()
             try:
-                report.cached[plan.name] = _fetch_or_compile(
-                    plan, model, source, opts, family_key, cache, so, sources, progress
-                )
+                report.cached[plan.name] = fetch_or_compile(plan)
             except Exception as e:
                 if plan.fallback is None:
                     raise
@@ -283,9 +297,7 @@ def build_bundle(
                     progress(plan.name, f"did not compile ({why}); compiling the fallback")
                 report.fallbacks[plan.name] = why
                 plan = plans[i] = plan.fallback
-                report.cached[plan.name] = _fetch_or_compile(
-                    plan, model, source, opts, family_key, cache, so, sources, progress
-                )
+                report.cached[plan.name] = fetch_or_compile(plan)
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             weights = {
                 k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)
@@ -337,24 +349,6 @@ def build_bundle(
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return report
-
-
-def _fetch_or_compile(
-    plan, model, source, opts, family_key, cache, so: Path, sources: Path | None, progress=None
-) -> bool:
-    """The method's `.so` into `so`, from the compile cache or compiled (then cached); whether it was cached."""
-    key = cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
-    if cache.fetch(key, plan.name, so, sources):
-        return True
-    if progress:
-        progress(plan.name, "compiling")
-    with tempfile.TemporaryDirectory(dir=so.parent) as work:
-        shutil.copyfile(compile_method(plan, opts, Path(work), sources.parent if sources is not None else None), so)
-    release_compile_copies()
-    if plan.release is not None:
-        plan.release()
-    cache.store(key, plan.name, so, sources)
-    return False
 
 
 def self_check(program: Program, plan: MethodPlan, model: nn.Module, dtype: torch.dtype) -> float:

@@ -20,7 +20,7 @@ from runner.app.options import Environment, runtime_options
 from runner.app.run_args import add_arguments as add_run  # the flags only, no torch
 from runner.app.stream import add_arguments as add_stream  # the flags only, no torch
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for  # numpy, no torch
-from runner.errors import RunnerError
+from runner.errors import TERMINATING, RunnerError
 
 log = logging.getLogger("runner")
 
@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     # SIGTERM (timeout, a CI cancellation, a closed terminal) unwinds like Ctrl-C, so every `finally` and
     # `except BaseException` below removes what it was building (an export's stage, a fetch's partial zip)
+    TERMINATING.clear()
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)
     except ValueError:  # not the main thread (an embedding program's): its own handler stays
@@ -343,23 +344,21 @@ def main(argv: list[str] | None = None) -> int:
         args.env = Environment.read(os.environ)
         args.runtime = runtime_options(args, args.env)
         return args.fn(args)
-    except RunnerError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # what the system refused (disk full, permissions) with the file it names, if any
-        if args.debug:
-            raise
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{_os_reason(e)}", file=sys.stderr)
-        return 1
     except Terminated:
-        print("error: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return _terminated()
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if TERMINATING.is_set():  # after SIGTERM: torch's cleanup may have replaced the exception it raised
+            return _terminated()
+        if args.debug or not isinstance(e, RunnerError | OSError):
+            raise
+        if isinstance(e, OSError):  # what the system refused (disk full, permissions), with the file it names
+            print(f"error: {f'{e.filename}: ' if e.filename else ''}{_os_reason(e)}", file=sys.stderr)
+        else:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -369,7 +368,13 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the process is, as KeyboardInterrupt is for SIGINT."""
 
 
+def _terminated() -> int:
+    print("error: terminated", file=sys.stderr)
+    return 128 + signal.SIGTERM
+
+
 def _terminate(signum, frame) -> None:
+    TERMINATING.set()
     raise Terminated()
 
 

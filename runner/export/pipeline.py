@@ -29,7 +29,7 @@ from runner import __version__
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
 from runner.bundle import FORMAT_VERSION, Manifest, file_entries, write_manifest
 from runner.digests import DigestCache, default_cache_dir
-from runner.errors import ExportError
+from runner.errors import TERMINATING, ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
 from runner.export.methods import MethodPlan, dtype_name
@@ -289,7 +289,7 @@ def build_bundle(
             try:
                 report.cached[plan.name] = fetch_or_compile(plan)
             except Exception as e:
-                if plan.fallback is None:
+                if plan.fallback is None or TERMINATING.is_set():
                     raise
                 why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
                 log.warning("%s did not compile (%s); compiling its fallback", plan.name, why)

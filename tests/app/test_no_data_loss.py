@@ -189,3 +189,30 @@ def test_sigterm_during_an_export_leaves_nothing_behind(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: terminated"]
     assert not out.exists() and not list(tmp_path.glob(".b.*"))
+
+
+def test_whatever_unwinds_after_sigterm_is_reported_as_the_termination(tmp_path, monkeypatch, capsys):
+    """SIGTERM raises Terminated where the process is; torch's own cleanup may replace it on the way out (seen in
+    CI: "Trying to pop empty mode stack" from a trace the signal interrupted). Still one `error: terminated` line
+    and exit 143, not a traceback and exit 1."""
+    import runner.app.inspect_bundle as verb
+    from runner.app.cli import main
+    from runner.errors import TERMINATING
+
+    def interrupted_then_replaced(args):
+        TERMINATING.set()  # what the SIGTERM handler does before it raises
+        raise AssertionError("Trying to pop empty mode stack")
+
+    monkeypatch.setattr(verb, "main", interrupted_then_replaced)
+    try:
+        assert main(["inspect", str(tmp_path)]) == 128 + signal.SIGTERM
+    finally:
+        TERMINATING.clear()
+    assert capsys.readouterr().err.strip().splitlines() == ["error: terminated"]
+
+    def plain_bug(args):
+        raise AssertionError("a bug, no signal")
+
+    monkeypatch.setattr(verb, "main", plain_bug)
+    with pytest.raises(AssertionError, match="a bug, no signal"):  # without SIGTERM an unexpected error stays one
+        main(["inspect", str(tmp_path)])

@@ -12,7 +12,7 @@ import torch
 
 from runner.app.cli import build_parser, main
 from runner.bundle import BATCH_STATE_PREFIX, read_manifest
-from runner.errors import ExportError
+from runner.errors import TERMINATING, ExportError
 from runner.export.pipeline import ExportOptions, prepare
 
 SHARED = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "text_decoder_step")
@@ -142,3 +142,13 @@ def test_a_method_whose_compile_fails_is_compiled_as_its_fallback(tiny_checkpoin
     with pytest.raises(RuntimeError, match="no kernel for this torch"):
         export_cached(tiny_checkpoint, tmp_path / "none", max_audio_chunks=1, max_seq_len=512)
     assert not (tmp_path / "none").exists()
+
+    # after SIGTERM a failed compile is the termination's, not a reason to compile the fallback
+    monkeypatch.setattr(vx, "prefill_plan", failing_first)
+    TERMINATING.set()
+    try:
+        with pytest.raises(RuntimeError, match="no kernel for this torch"):
+            export_cached(tiny_checkpoint, tmp_path / "terminating", max_audio_chunks=1, max_seq_len=512)
+    finally:
+        TERMINATING.clear()
+    assert not (tmp_path / "terminating").exists()

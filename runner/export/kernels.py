@@ -242,6 +242,43 @@ def _rope_rows(x_ptr, rows, d, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def split_range(pos, s, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Split s's slice [start, end) of positions [0, pos]: SPLITS slices of whole BLOCK_T blocks (the last ones
+    may be empty)."""
+    n_valid = pos + 1
+    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
+    start = s * per
+    return start, tl.minimum(start + per, n_valid)
+
+
+@triton.jit
+def attend_positions(
+    q, k_ptr, v_ptr, start, end, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SM_SCALE: tl.constexpr
+):
+    """Online softmax of q [BLOCK_H, D] over cached positions [start, end) of one head's keys and values (k_ptr,
+    v_ptr at its position 0, D per position) -> (max, sum, weighted values) [BLOCK_H], [BLOCK_H], [BLOCK_H, D] in
+    float32; an empty range gives -inf, 0, 0."""
+    d = tl.arange(0, D)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < end
+        k = tl.load(k_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * SM_SCALE
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
 def _attention_kernel(
     qkv_ptr,
     cos_ptr,
@@ -298,27 +335,10 @@ def _attention_kernel(
         tl.store(v_ptr + base + pos * D + d[None, :], v_new)
 
     # this split's slice of positions [0, pos]: cached ones [start, min(end, pos)), the new one if end > pos
-    n_valid = pos + 1
-    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
-    start = s * per
-    end = tl.minimum(start + per, n_valid)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    cached_end = tl.minimum(end, pos)
-    for t0 in range(start, cached_end, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < cached_end
-        k = tl.load(k_ptr + base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * SM_SCALE
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    start, end = split_range(pos, s, SPLITS, BLOCK_T)
+    m, denom, acc = attend_positions(
+        q, k_ptr + base, v_ptr + base, start, tl.minimum(end, pos), BLOCK_H, D, BLOCK_T, SM_SCALE
+    )
     if (start <= pos) & (pos < end):
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * SM_SCALE  # [BLOCK_H]
         m_new = tl.maximum(m, score)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from runner.export.kernels import ATTN_BLOCK_T, attention_splits
+from runner.export.kernels import ATTN_BLOCK_T, attend_positions, attention_splits, split_range
 
 
 @triton.jit
@@ -49,26 +49,8 @@ def _batch_attention_kernel(
     head = b.to(tl.int64) * H_KV + j
     q = tl.load(q_ptr + (head * REP + tl.minimum(h, REP - 1))[:, None] * D + d[None, :])  # pads repeat row REP-1
     base = head * max_seq * D
-    n_valid = pos + 1
-    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
-    start = s * per
-    end = tl.minimum(start + per, n_valid)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < end
-        k = tl.load(k_ptr + base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * SM_SCALE
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    start, end = split_range(pos, s, SPLITS, BLOCK_T)
+    m, denom, acc = attend_positions(q, k_ptr + base, v_ptr + base, start, end, BLOCK_H, D, BLOCK_T, SM_SCALE)
     part = (head * SPLITS + s) * BLOCK_H + h
     tl.store(m_ptr + part, m)
     tl.store(l_ptr + part, denom)

@@ -7,16 +7,11 @@ float16."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_env import DEV, DOT_DTYPE  # before the kernels: on a CPU machine they are interpreted
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":  # before the kernels are defined: @triton.jit then makes interpreted functions
-    os.environ["TRITON_INTERPRET"] = "1"
-DOT_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 pytest.importorskip("triton")
 
 from runner.export import kernels as K  # noqa: E402

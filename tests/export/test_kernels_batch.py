@@ -5,15 +5,10 @@ kernel is compiled; without one, Triton's interpreter runs it (float16: it compu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import DEV, DOT_DTYPE, on_h200_target  # before the kernels: on a CPU machine they are interpreted
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":  # before the kernels are defined: @triton.jit then makes interpreted functions
-    os.environ["TRITON_INTERPRET"] = "1"
-DOT_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 pytest.importorskip("triton")
 
 from runner.export import kernels_batch as KB  # noqa: E402
@@ -75,18 +70,7 @@ def test_tiny_batched_step_through_the_op_matches_the_written_out_step():
 
 
 COMPILE = r"""
-import json, torch, triton
-import torch._higher_order_ops.triton_kernel_wrap as tkw
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from runner.export import kernels_batch as KB
-
-H200 = GPUTarget("cuda", 90, 32)
-if not torch.cuda.is_available():
-    class Hopper:
-        def get_current_target(self):
-            return H200
-    triton.runtime.driver.set_active(Hopper())
 
 out = {}
 for splits in (4, 16):  # the 1024 bundle's and the 10-minute bundle's
@@ -99,10 +83,7 @@ for splits in (4, 16):  # the 1024 bundle's and the 10-minute bundle's
               pos_ptr=z(2, torch.int64), m_ptr=z(2 * 8 * splits * 16, torch.float32),
               l_ptr=z(2 * 8 * splits * 16, torch.float32), acc_ptr=z(2 * 8 * splits * 16 * 128, torch.float32),
               max_seq=64, **consts)
-    if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
-        w = sorted(d.name for d in tkw.identify_accessed_tensors(KB._batch_attention_kernel, kw, {}).read_writes.writes)
-    else:  # torch 2.11, the H200's
-        w = sorted(tkw.identify_mutated_tensors(KB._batch_attention_kernel, kw, {}))
+    w = written(KB._batch_attention_kernel, kw)
     out[splits] = {"shared": k.metadata.shared, "local": ".local" in k.asm["ptx"], "writes": w}
 print(json.dumps(out))
 """
@@ -111,18 +92,7 @@ print(json.dumps(out))
 def test_the_3b_tile_compiles_for_the_h200_and_writes_only_its_partials():
     """Compiled for sm_90 here (no GPU needed) at the 3B's shapes with 4 and 16 splits: no spills to local memory;
     AOTInductor's analysis finds it writes its partials alone, never the slot caches it reads."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, cwd=root, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = on_h200_target(COMPILE)
     for splits in ("4", "16"):
         assert got[splits]["writes"] == ["acc_ptr", "l_ptr", "m_ptr"]
         assert not got[splits]["local"] and got[splits]["shared"] <= 227 * 1024

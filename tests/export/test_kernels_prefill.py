@@ -5,16 +5,11 @@ Triton's interpreter runs it on the CPU (float16 there: the interpreter computes
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_env import DEV, DOT_DTYPE, on_h200_target  # before the kernels: on a CPU machine they are interpreted
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":  # before the kernels are defined: @triton.jit then makes interpreted functions
-    os.environ["TRITON_INTERPRET"] = "1"
-DOT_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
 pytest.importorskip("triton")
 
 from runner.export import kernels_prefill as KP  # noqa: E402
@@ -78,21 +73,8 @@ def test_tiny_prefill_through_the_op_matches_the_written_out_prefill():
     assert all((a - b).abs().max() < 1e-2 * b.abs().max() for a, b in zip(op_k, written_k))
 
 
-# A fresh interpreter: the kernel must be a JIT function here (this module made it an interpreted one on a CPU
-# machine), and without a GPU Triton needs a stand-in driver that names the H200's target.
 COMPILE = r"""
-import json, torch, triton
-import torch._higher_order_ops.triton_kernel_wrap as tkw
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from runner.export import kernels_prefill as KP
-
-H200 = GPUTarget("cuda", 90, 32)
-if not torch.cuda.is_available():
-    class Hopper:
-        def get_current_target(self):
-            return H200
-    triton.runtime.driver.set_active(Hopper())
 
 bm, bn, warps, stages = KP.prefill_config(128)
 consts = {"QK_SCALE": 128**-0.5 * KP.LOG2E, "REP": 4, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn}
@@ -103,10 +85,7 @@ k = triton.compile(ASTSource(KP._prefill_attention_kernel, sig, consts), target=
 z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
 kw = dict(q_ptr=z(4 * 64 * 128), k_ptr=z(64 * 128), v_ptr=z(64 * 128), out_ptr=z(4 * 64 * 128), n_rows=256,
           kv_stride_h=64 * 128, **consts)
-if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
-    writes = sorted(d.name for d in tkw.identify_accessed_tensors(KP._prefill_attention_kernel, kw, {}).read_writes.writes)
-else:  # torch 2.11, the H200's
-    writes = sorted(tkw.identify_mutated_tensors(KP._prefill_attention_kernel, kw, {}))
+writes = written(KP._prefill_attention_kernel, kw)
 print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma" in k.asm["ptx"], "writes": writes}))
 """
 
@@ -115,17 +94,6 @@ def test_the_3b_tile_compiles_for_the_h200_and_writes_only_its_output():
     """The 3B's tile (head 128, rep 4) compiled for sm_90 by Triton here, no GPU needed: it fits the H200's shared
     memory and its dots are Hopper's wgmma; and AOTInductor's analysis of the Triton IR finds it writes its output
     alone (a kernel that seemed to write the KV cache would have the export copy the cache: NOTES item 26)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, cwd=root, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = on_h200_target(COMPILE)
     assert got["writes"] == ["out_ptr"]
     assert got["wgmma"] and 0 < got["shared"] <= 227 * 1024

@@ -4,16 +4,11 @@ runs them on the CPU (as test_kernels.py). Speed: benchmarks/int4_kernels.py on 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_env import DEV, DOT_DTYPE  # before the kernels: on a CPU machine they are interpreted
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if DEV == "cpu":  # before the kernels are defined: @triton.jit then makes interpreted functions
-    os.environ["TRITON_INTERPRET"] = "1"
-DOT_DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's tl.dot is wrong in bf16
 pytest.importorskip("triton")
 
 from runner.export import kernels_int4 as K4  # noqa: E402

@@ -4,12 +4,6 @@ GPU: tests/test_cuda_runtime.py checks the decode kernels' edges are found and t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from runner.runtime.pdl import WAITING_KERNELS, pick_edges
@@ -45,28 +39,9 @@ def test_nothing_to_pick_in_a_graph_of_other_kernels():
     assert pick_edges(edges, NAMES.get, WAITING_KERNELS) == []
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-# Run in a fresh interpreter: the kernels must be JIT functions (tests/test_kernels.py makes them interpreted on a
-# CPU machine), and without a GPU Triton needs a stand-in driver that names the H200's target.
+# the kernels as JIT functions in a fresh interpreter (tests/kernel_env.py: the H200's target, `written`)
 ANALYSE = r"""
-import json, torch, triton
-import torch._higher_order_ops.triton_kernel_wrap as tkw
 from runner.export import kernels as K
-
-if not torch.cuda.is_available():
-    from triton.backends.compiler import GPUTarget
-
-    class Hopper:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    triton.runtime.driver.set_active(Hopper())
-
-def written(kernel, kwargs):
-    if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
-        return sorted(d.name for d in tkw.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes)
-    return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))  # torch 2.11, the H200's
 
 bf16, f32 = torch.bfloat16, torch.float32
 z = lambda n, dt=bf16: torch.zeros(n, dtype=dt)
@@ -88,13 +63,9 @@ def test_the_waiting_kernels_write_what_the_plain_ones_write():
     every input, and the exported method grows an output per input (torch 2.11 and Triton's gdc_wait: 21 outputs,
     NOTES item 26). The griddepcontrol asm must leave the analysis as it is without it."""
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["VOXTRAL_RUNNER_PDL"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", ANALYSE], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    from kernel_env import on_h200_target  # the analysis runs in a fresh interpreter, for the H200's target
+
+    got = on_h200_target(ANALYSE, env={"VOXTRAL_RUNNER_PDL": "1"})
     assert got["True"] == got["False"]
     assert got["False"]["gemv"] == ["out_ptr"]
     assert "qkv_ptr" not in got["False"]["attention"] and "out_ptr" in got["False"]["attention"]

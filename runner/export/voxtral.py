@@ -113,33 +113,36 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
 
 
 def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference: nn.Module) -> MethodPlan:
-    """text_decoder: a prompt into an empty cache, attending to the prompt alone (prefill_module). Where that is the
-    Triton op, the whole-cache decoder is its fallback: should the op not compile (a torch whose AOTInductor cannot
-    take it), the export still gives a bundle, and the manifest's `model.fallbacks` says so."""
-    c, dev, dtype, S, H = (
-        model.config,
-        torch.device(opts.device),
-        DTYPES[opts.dtype],
-        opts.max_seq_len,
-        model.config.text.dim,
-    )
+    """text_decoder: a prompt into an empty cache, attending to the prompt alone, so the cost follows the prompt,
+    not the cache. On CUDA through the Triton flash attention (torch 2.11 CUDA could not export the written-out
+    prompt-only form for a dynamic length, benchmarks/NOTES.md item 32), with the whole-cache decoder as its
+    fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
+    with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost."""
+    c, dev, dtype, S = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_seq_len
+    tiles = _triton_tiles(model, opts.device)
+    if tiles:
+        from runner.export import kernels_prefill  # imports Triton
+
+        module = model.prefiller(attend=kernels_prefill.attend)
+    else:
+        module = model.decoder() if dev.type == "cuda" else model.prefiller()
     plan = MethodPlan(
         "text_decoder",
-        prefill_module(model, opts.device),
+        module,
         (emb(3), torch.arange(3, device=dev)),
         ({1: seq}, {0: seq}),
         method_spec(
             "text_decoder",
-            [("embeds", dtype_name(dtype), [1, dim(1, S), H]), ("cache_position", "int64", [dim(1, S)])],
-            [("logits", "float32", [1, c.text.vocab_size])],
+            [("embeds", dtype_name(dtype), [1, dim(1, S), c.dim]), ("cache_position", "int64", [dim(1, S)])],
+            [("logits", "float32", [1, c.vocab_size])],
             state,
         ),
         # against the decoder that attends to the cache; the step after it only matches if the cache was written
         [(emb(7), torch.arange(7, device=dev))],
         reference=reference,
     )
-    if _triton_tiles(model, opts.device):
-        plan.fallback = replace(plan, module=model.decoder(), key_extra={"prefill": "whole-cache"})
+    if tiles:
+        plan.fallback = replace(plan, module=model.decoder(), key_extra={"fallback": "whole-cache"})
     return plan
 
 
@@ -217,9 +220,8 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
     if _triton_tiles(model, opts.device):  # each row's own positions through the Triton op; the whole slot else
         from runner.export import kernels_batch  # imports Triton
 
-        written_out = plan
-        plan = replace(plan, export=lambda: export(kernels_batch.attend), key_extra={"max_batch": n, "attend": 1})
-        plan.fallback = written_out
+        fallback = replace(plan, key_extra={"max_batch": n, "fallback": "written-out"})
+        plan = replace(plan, export=lambda: export(kernels_batch.attend), fallback=fallback)
     return plan
 
 
@@ -228,18 +230,6 @@ def _triton_tiles(model: Voxtral, device: str) -> bool:
     >= 16: tl.dot's minimum)."""
     d = model.config.text.head_dim
     return torch.device(device).type == "cuda" and d >= 16 and d & (d - 1) == 0
-
-
-def prefill_module(model: Voxtral, device: str) -> nn.Module:
-    """The decoder for a prompt into an empty cache, attending to the prompt alone: on CUDA through the Triton
-    flash attention (torch 2.11 CUDA could not export the written-out prompt-only form for a dynamic length,
-    benchmarks/NOTES.md item 32); on CUDA with a head size it cannot tile, attending to the whole (empty beyond
-    the prompt) cache instead: the same answer, at a cost that follows the cache."""
-    if _triton_tiles(model, device):
-        from runner.export import kernels_prefill  # imports Triton
-
-        return model.prefiller(attend=kernels_prefill.attend)
-    return model.decoder() if torch.device(device).type == "cuda" else model.prefiller()
 
 
 def decode_step_module(model: Voxtral, device: str, pdl: bool = True) -> nn.Module:

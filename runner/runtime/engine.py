@@ -12,15 +12,15 @@ from typing import Protocol
 
 import torch
 
-from runner.audio import N_SAMPLES
+from runner.audio import N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK
 from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX
 from runner.errors import AudioError, BundleError, GenerationError
 from runner.runtime.graphs import BatchGraphs, DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Method, Program
 
-# warm_up's prefill length: a 30 s transcription prompt's (Voxtral: 375 audio tokens and the text around them)
-WARM_UP_TOKENS = 385
+# warm_up's prefill length: a 30 s prompt's at most (Voxtral: a chunk's audio tokens and the room its text takes)
+WARM_UP_TOKENS = TOKENS_PER_CHUNK + PROMPT_ROOM
 
 
 class Engine(Protocol):

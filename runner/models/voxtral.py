@@ -264,8 +264,9 @@ class TextDecoder(nn.Module):
         self.c, self.prefill, self.attend = c, prefill, attend
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
-    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        # embeds: [1, S, dim], cache_position: [S] -> logits of the last position [1, vocab] float32
+    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor, every_position: bool = False) -> torch.Tensor:
+        # embeds: [1, S, dim], cache_position: [S] -> logits of the last position [1, vocab] float32, or with
+        # every_position (the eager reference scoring a whole answer in one call) of each position [S, vocab]
         max_seq = self.layers[0].self_attn.kv_cache.k_cache.shape[2]
         mask = None
         if not self.prefill:
@@ -274,7 +275,7 @@ class TextDecoder(nn.Module):
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, cache_position, mask, self.attend)
-        return self.lm_head(self.norm(x[:, -1, :])).float()
+        return self.lm_head(self.norm(x[0] if every_position else x[:, -1, :])).float()
 
 
 # ---------------------------------------------------------------- the whole model

@@ -236,7 +236,8 @@ class TokenEmbeddingMethod(nn.Module):
 
 
 class DecoderMethod(nn.Module):
-    """embeds [1, S, d] + cache_position [S] + cross_kv -> logits of the last position [1, vocab] float32."""
+    """embeds [1, S, d] + cache_position [S] + cross_kv -> logits of the last position [1, vocab] float32 (with
+    `every_position`, the eager reference scoring a whole answer in one call: of each position, [S, vocab])."""
 
     def __init__(self, m: Whisper):
         super().__init__()
@@ -248,14 +249,18 @@ class DecoderMethod(nn.Module):
             d.layer_norm,
         )
 
-    def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor, cross_kv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, cache_position: torch.Tensor, cross_kv: torch.Tensor, every_position: bool = False
+    ) -> torch.Tensor:
         max_seq = self.layers[0].self_attn.kv_cache.k_cache.shape[2]
         mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [S, max_seq]
         x = embeds + self.embed_positions(cache_position)[None]
         for i, layer in enumerate(self.layers):
             x = layer(x, cache_position, mask, cross_kv[i])
         # tied output projection: logits = h @ embed_tokens^T
-        return torch.matmul(self.layer_norm(x[:, -1, :]), self.embed_tokens.weight.t()).float()
+        return torch.matmul(
+            self.layer_norm(x[0] if every_position else x[:, -1, :]), self.embed_tokens.weight.t()
+        ).float()
 
 
 def methods(m: Whisper) -> Methods:

@@ -51,6 +51,12 @@ class EagerEngine:
     def decode(self, embeds, pos):
         return self.methods.text_decoder(embeds, pos, *extra_inputs(self.cross))
 
+    @torch.inference_mode()
+    def score(self, embeds, pos):
+        """The logits at every position of `embeds` [1, S, H] (decode gives the last one's): a forced answer
+        scored in one call (runner/reference/score.py)."""
+        return self.methods.text_decoder(embeds, pos, *extra_inputs(self.cross), every_position=True)
+
     def reset(self):
         self._reset()
 

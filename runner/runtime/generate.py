@@ -158,9 +158,15 @@ class Sampler:
 
 def prefill_compute(e: Engine, segments: list[Segment], inputs) -> tuple[torch.Tensor, list[int]]:
     """The device work of prefill (no host sync: it may be captured); returns the last logits and the decoder
-    positions each segment took. Audio is encoded in place; a cross-attending engine keeps it and it takes no
-    positions. One decoder call over the whole prompt, not one per segment: each call streams all the decoder's
-    weights, so a 3-segment prompt prefilled piecewise costs two extra weight passes."""
+    positions each segment took. One decoder call over the whole prompt, not one per segment: each call streams all
+    the decoder's weights, so a 3-segment prompt prefilled piecewise costs two extra weight passes."""
+    embeds, lengths = prompt_embeds(e, segments, inputs)
+    return e.decode(embeds, torch.arange(0, embeds.shape[1], device=e.device)), lengths
+
+
+def prompt_embeds(e: Engine, segments: list[Segment], inputs) -> tuple[torch.Tensor, list[int]]:
+    """The decoder's input for the prompt [1, S, H] and the positions each segment took. Audio is encoded in place;
+    a cross-attending engine keeps it and it takes no positions."""
     parts, lengths, n = [], [], 0
     for seg, x in zip(segments, inputs):
         if isinstance(seg, TextSegment):
@@ -181,8 +187,7 @@ def prefill_compute(e: Engine, segments: list[Segment], inputs) -> tuple[torch.T
         n += lengths[-1]
     if not parts:
         raise GenerationError("the prompt has no text for the decoder after its audio")
-    embeds = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return e.decode(embeds, torch.arange(0, n, device=e.device)), lengths
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1), lengths
 
 
 def check_fits(e: Engine, pos: int, n: int) -> None:
@@ -238,11 +243,10 @@ class MultimodalRunner:
         opts: GenerationOptions,
         on_text: Callable[[str], None] | None = None,
         stats: Stats | None = None,
-        forced: list[int] | None = None,
     ) -> GenerationResult:
-        """One prompt from an empty KV cache. `forced` feeds the given tokens instead of sampling (teacher forcing,
-        for the eager comparison). Raises GenerationError if another generate() is running on the same program."""
-        return self.generate_windows([segments], opts, on_text, stats, None if forced is None else [forced])
+        """One prompt from an empty KV cache. Raises GenerationError if another generate() is running on the same
+        program."""
+        return self.generate_windows([segments], opts, on_text, stats)
 
     def generate_windows(
         self,
@@ -250,7 +254,6 @@ class MultimodalRunner:
         opts: GenerationOptions,
         on_text: Callable[[str], None] | None = None,
         stats: Stats | None = None,
-        forced: list[list[int]] | None = None,
     ) -> GenerationResult:
         """Each window as its own prompt, in order; one result with the text and tokens joined (a space between
         two windows' texts where neither has one, so words never run together; `on_text` streams the same), the
@@ -258,17 +261,15 @@ class MultimodalRunner:
         token count and `parts` each one's own text and stats."""
         if not windows:
             raise GenerationError("empty prompt: nothing to prefill")
-        if forced is not None and len(forced) != len(windows):
-            raise GenerationError(f"{len(forced)} forced token lists for {len(windows)} prompt windows")
         stats = stats if stats is not None else Stats()
         joiner = TextJoiner(on_text)
         with self.exclusive():
             results = []
-            for i, window in enumerate(windows):
+            for window in windows:
                 joiner.next_window()
                 s = copy.copy(stats)  # its own numbers, over what the caller recorded before (the model load)
                 out = joiner if on_text else None
-                results.append(self._generate(window, opts, out, s, None if forced is None else forced[i]))
+                results.append(self._generate(window, opts, out, s))
         return join_results(results, stats, self.engine.device)
 
     @contextlib.contextmanager
@@ -286,7 +287,31 @@ class MultimodalRunner:
             self._recordings.clear()
             self._busy.release()
 
-    def _generate(self, segments, opts: GenerationOptions, on_text, stats: Stats, forced) -> GenerationResult:
+    def score_windows(self, windows: list[list[Segment]], answers: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher forcing: the logits each answer token is chosen from, one [1, V] float32 per token in order, each
+        window's prompt and its answer (but the last token) in one decoder call. Needs an engine whose `score`
+        gives every position's logits (the eager reference; a compiled text_decoder gives the last one's): one call
+        where stepping costs a decoder pass per token."""
+        if len(answers) != len(windows):
+            raise GenerationError(f"{len(answers)} answers for {len(windows)} prompt windows")
+        e, scored = self.engine, []
+        with self.exclusive():
+            for segments, answer in zip(windows, answers):
+                if not answer:
+                    continue
+                segments = [*segments, TextSegment(tuple(answer[:-1]))] if len(answer) > 1 else list(segments)
+                e.reset()
+                try:
+                    embeds, _ = prompt_embeds(
+                        e, segments, stage(segments, e.device, e.max_audio_chunks, self._recordings.window)
+                    )
+                    logits = e.score(embeds, torch.arange(embeds.shape[1], device=e.device))
+                finally:
+                    e.reset()
+                scored += logits[-len(answer) :].float().cpu().split(1)
+        return scored
+
+    def _generate(self, segments, opts: GenerationOptions, on_text, stats: Stats) -> GenerationResult:
         e = self.engine
         stats.audio_seconds = audio_seconds(segments)
         sampler, stream = Sampler(opts, e.device), StreamDecoder(self.tok)
@@ -299,19 +324,18 @@ class MultimodalRunner:
             stats.prompt_eval_end_ms = now_ms()
             stats.prompt_tokens = len(prompt_ids)
             stop = "max_new_tokens"
-            cap = opts.max_new_tokens or answer_room(stats.audio_seconds)
-            limit = cap if forced is None else min(cap, len(forced))
-            pick = _Picker(sampler, forced, opts.record_logits, e.device, stats)
-            greedy = forced is None and sampler.generator is None and not opts.record_logits
-            advance = greedy_advance(e) if greedy else lambda token, pos, n: pick(e.decode_token(token, pos), n)
-            for tok_id, chosen_from in token_stream(e, lambda: pick(logits, 0), len(prompt_ids), limit, advance):
+            limit = opts.max_new_tokens or answer_room(stats.audio_seconds)
+            pick = _Picker(sampler, opts.record_logits, stats)
+            greedy = sampler.generator is None and not opts.record_logits
+            advance = greedy_advance(e) if greedy else lambda token, pos: pick(e.decode_token(token, pos))
+            for tok_id, chosen_from in token_stream(e, lambda: pick(logits), len(prompt_ids), limit, advance):
                 if not tokens:
                     stats.first_token_ms = now_ms()
                     check_features(e)  # the prefill's feature check, on the host once its token is (no extra sync)
                 tokens.append(tok_id)
                 if chosen_from is not None:
                     recorded.append(chosen_from)
-                if tok_id == self.tok.eos_id and len(tokens) > opts.min_new_tokens and forced is None:
+                if tok_id == self.tok.eos_id and len(tokens) > opts.min_new_tokens:
                     stop = "eos"
                     break
                 if on_text and tok_id < self.tok.vocab_size:
@@ -333,18 +357,15 @@ def answer_room(audio_seconds: float) -> int:
 
 
 class _Picker:
-    """The n-th token [1, 1] on the device from its logits (sampled, or forced), and the logits if recorded
-    (copied now: a graph's logits buffer is overwritten by the next step)."""
+    """The next token [1, 1] on the device from its logits, and the logits if recorded (copied now: a graph's
+    logits buffer is overwritten by the next step)."""
 
-    def __init__(self, sampler: Sampler, forced: list[int] | None, record: bool, device: str, stats: Stats):
-        self.sampler, self.forced, self.record, self.device, self.stats = sampler, forced, record, device, stats
+    def __init__(self, sampler: Sampler, record: bool, stats: Stats):
+        self.sampler, self.record, self.stats = sampler, record, stats
 
-    def __call__(self, logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         t0 = now_ms()
-        if self.forced is None:
-            token = self.sampler(logits)
-        else:
-            token = torch.full((1, 1), self.forced[n], dtype=torch.int64, device=self.device)
+        token = self.sampler(logits)
         kept = logits.to(torch.float32, copy=True) if self.record else None
         self.stats.aggregate_sampling_time_ms += now_ms() - t0
         return token, kept
@@ -352,10 +373,9 @@ class _Picker:
 
 def token_stream(e: Engine, first, pos: int, limit: int, advance) -> Iterator[tuple[int, torch.Tensor | None]]:
     """Yields (token id, the logits it was chosen from or None). first() gives the first token (from the
-    prefill's logits); advance(token, pos, n) queues the step after `token` at `pos`, with n tokens chosen so far,
-    and gives its token [1, 1]. After the first token, the next step is queued on the device before the host
-    waits for this one, so the host's per-step work (reading ids, streaming text) overlaps the GPU's and the GPU
-    does not idle between steps. Launches stop at `limit` tokens or the end of the context; a consumer that stops
+    prefill's logits); advance(token, pos) queues the step after `token` at `pos` and gives its token [1, 1].
+    After the first token, the next step is queued on the device before the host waits for this one, so the
+    host's per-step work (reading ids, streaming text) overlaps the GPU's and the GPU does not idle between steps. Launches stop at `limit` tokens or the end of the context; a consumer that stops
     at EOS leaves a queued step behind, which the reset() after it follows on the same stream."""
     queue, n, ahead = deque(), 0, 0  # ahead 0 for the first token: it is the TTFT
 
@@ -370,7 +390,7 @@ def token_stream(e: Engine, first, pos: int, limit: int, advance) -> Iterator[tu
     token = launch(*first())
     while True:
         while len(queue) <= ahead and n < limit and pos < e.max_seq_len:
-            token = launch(*advance(token, pos, n))
+            token = launch(*advance(token, pos))
             pos += 1
         if not queue:
             return
@@ -383,7 +403,7 @@ def token_stream(e: Engine, first, pos: int, limit: int, advance) -> Iterator[tu
 def greedy_advance(e: Engine):
     """token_stream's advance for greedy decoding with nothing recorded: the argmax stays on the device, and no
     logits are copied."""
-    return lambda token, pos, n: (e.decode_token(token, pos).argmax(dim=-1, keepdim=True), None)
+    return lambda token, pos: (e.decode_token(token, pos).argmax(dim=-1, keepdim=True), None)
 
 
 class _Done:

@@ -42,6 +42,12 @@ class ScriptedEngine:
     def decode(self, embeds, pos):
         return self._emit(next_token(int(embeds[0, -1, 0]), int(pos[-1])))
 
+    def score(self, embeds, pos):
+        logits = torch.zeros(embeds.shape[1], V)
+        for i, (x, p) in enumerate(zip(embeds[0, :, 0].tolist(), pos.tolist())):
+            logits[i, next_token(int(x), p)] = 1.0
+        return logits
+
     def decode_token(self, token, pos):
         self.steps.append((int(token), pos))
         return self._emit(next_token(int(token), pos))
@@ -106,11 +112,18 @@ def test_recorded_logits_are_each_tokens_own_despite_one_shared_buffer():
     assert [int(x.argmax()) for x in result.logits] == result.tokens
 
 
-def test_forced_tokens_are_fed_and_returned():
-    forced = [20, 21, 2, 23, 24]
-    engine, result = generate([1, 4], GenerationOptions(max_new_tokens=10), forced=forced)
-    assert result.tokens == forced and result.stop_reason == "max_new_tokens"  # EOS does not stop teacher forcing
-    assert [t for t, _ in engine.steps] == forced[:-1]
+def test_an_answer_is_scored_at_each_of_its_tokens_in_one_call_per_window():
+    """Teacher forcing: row j holds the logits token j was chosen from, the prompt and the answer before it fed
+    (EOS inside an answer included); the answer's last token is not fed; a window without an answer adds none."""
+    runner = MultimodalRunner(ScriptedEngine(), Tekken.from_file(TEKKEN), None)
+    windows = [[TextSegment((1, 4))], [TextSegment((7,))], [TextSegment((3, 5, 6))]]
+    answers = [[20, 2, 23, 24], [], [30]]
+    rows = runner.score_windows(windows, answers)
+    fed = [([1, 4, 20, 2, 23], [4, 20, 2, 23]), ([3, 5, 6], [6])]  # (a window's input, the inputs scored)
+    want = [next_token(x, p) for ids, last in fed for p, x in enumerate(ids) if p >= len(ids) - len(last)]
+    assert [int(r.argmax()) for r in rows] == want and all(r.shape == (1, V) for r in rows)
+    with pytest.raises(GenerationError, match="2 answers for 3 prompt windows"):
+        runner.score_windows(windows, answers[:2])
 
 
 def test_text_streams_only_read_tokens():

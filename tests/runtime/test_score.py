@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import runner_for
+
 from runner.bundle import read_manifest
 from runner.families import family_for
 from runner.reference import eager_engine

@@ -73,7 +73,11 @@ def add_export(p: argparse.ArgumentParser) -> None:
         f"and ~4 answer tokens a second ({context_for(DEFAULT_AUDIO_CHUNKS)} for {DEFAULT_AUDIO_CHUNKS} chunks)",
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>)"
+        "--out",
+        type=Path,
+        default=None,
+        help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>); a bundle there built from the "
+        "same model, options and code is left as it is",
     )
     p.add_argument(
         "--cache-dir",
@@ -168,7 +172,10 @@ def cmd_export(args: argparse.Namespace) -> int:
                 f"{out}: export failed ({' '.join(str(e).split())[:300]}); if the disk is full, free space or "
                 "pass another --out / --cache-dir"
             ) from None
-    console.print(f"bundle: {out}")
+    if report.up_to_date:  # the same model, weights, options, torch and code as the bundle there: nothing to do
+        console.print(f"bundle: {out} is up to date", highlight=False)
+    else:
+        console.print(f"bundle: {out}")
     for m, err in report.max_error.items():
         console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
     print(out)

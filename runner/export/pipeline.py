@@ -17,6 +17,7 @@ import logging
 import shutil
 import tempfile
 import time
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +28,9 @@ from torch import nn
 
 from runner import __version__
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
-from runner.bundle import FORMAT_VERSION, Manifest, file_entries, write_manifest
-from runner.digests import DigestCache, default_cache_dir
-from runner.errors import TERMINATING, ExportError
+from runner.bundle import FORMAT_VERSION, Manifest, file_entries, read_manifest, verify_bundle, write_manifest
+from runner.digests import DigestCache, default_cache_dir, sha256_file
+from runner.errors import TERMINATING, BundleError, ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
 from runner.export.methods import MethodPlan, dtype_name
@@ -91,6 +92,7 @@ class ExportReport:
     cached: dict[str, bool] = field(default_factory=dict)
     max_error: dict[str, float] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)  # method -> why its plan's fallback was compiled
+    up_to_date: bool = False  # --out already held the bundle these inputs build: left as it was
 
 
 # ---------------------------------------------------------------- compile, with a cache
@@ -195,10 +197,13 @@ def release_compile_copies() -> None:
 
     getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
     gc.collect()
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.fx.GraphModule):
-            for key in [k for k in obj.meta if isinstance(k, str) and k.endswith("__original__")]:
-                free_storage(obj.meta.pop(key))
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.fx.GraphModule)]
+    for obj in modules:
+        for key in [k for k in obj.meta if isinstance(k, str) and k.endswith("__original__")]:
+            free_storage(obj.meta.pop(key))
+    del modules
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -261,6 +266,14 @@ def build_bundle(
     cache = CompileCache(opts.cache_root / "compiled")
     digests = DigestCache(opts.cache_root / "digests.json")
     report = ExportReport()
+
+    def plan_key(plan: MethodPlan) -> str:
+        return cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
+
+    inputs = inputs_key({p.name: plan_key(p) for p in plans}, meta, tokenizer_path, opts)
+    if up_to_date(out, inputs, digests):
+        report.up_to_date = True
+        return report
     check_destination(out, merge=opts.force)  # before minutes of compiling: nothing of the user's is replaced
     stage = make_stage(out)
     try:
@@ -269,7 +282,7 @@ def build_bundle(
 
         def fetch_or_compile(plan: MethodPlan) -> bool:
             """The method's `.so` into the stage, from the compile cache or compiled (then cached): whether cached."""
-            key = cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
+            key = plan_key(plan)  # a fallback has its own key, under the same method name
             so = stage / f"{plan.name}.so"
             sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
             if cache.fetch(key, plan.name, so, sources):
@@ -329,7 +342,8 @@ def build_bundle(
                 **meta,
                 "compile_seconds": report.compile_seconds,
                 "compile_cached": report.cached,
-                **({"fallbacks": report.fallbacks} if report.fallbacks else {}),
+                # a bundle with a fallback records no inputs: the next export tries the plan's own compile again
+                **({"fallbacks": report.fallbacks} if report.fallbacks else {"inputs": inputs}),
             },
             methods={p.name: p.spec for p in plans},
             files=file_entries(stage, files, digests=digests),
@@ -349,6 +363,22 @@ def build_bundle(
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return report
+
+
+def inputs_key(keys: dict[str, str], meta: dict, tokenizer_path: Path, opts: ExportOptions) -> str:
+    """What a whole bundle is built from: each method's compile-cache key (the model config, the weights' digest,
+    the options, torch, the code), the manifest's model fields, the tokenizer, and whether it was checked."""
+    blob = {"methods": keys, "model": meta, "tokenizer": sha256_file(tokenizer_path), "check": opts.check}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def up_to_date(out: Path, inputs: str, digests: DigestCache) -> bool:
+    """`out` holds the bundle that `inputs` build, every file as its manifest says (a file unchanged since it was
+    last hashed is not hashed again): exporting again would write the same bundle."""
+    try:
+        return read_manifest(out).model.get("inputs") == inputs and verify_bundle(out, digests=digests) is not None
+    except (BundleError, OSError):
+        return False
 
 
 def self_check(program: Program, plan: MethodPlan, model: nn.Module, dtype: torch.dtype) -> float:

@@ -132,6 +132,7 @@ def test_a_method_whose_compile_fails_is_compiled_as_its_fallback(tiny_checkpoin
     out = export_cached(tiny_checkpoint, tmp_path / "fb", max_audio_chunks=1, max_seq_len=512)
     fallbacks = read_manifest(out).model["fallbacks"]
     assert list(fallbacks) == ["text_decoder"] and fallbacks["text_decoder"] == "RuntimeError: no kernel for this torch"
+    assert "inputs" not in read_manifest(out).model  # not up to date for the next export: it tries the plan again
     assert main(["inspect", str(out), "--no-verify"]) == 0
     assert "text_decoder: its fallback was compiled (the first did not compile: RuntimeError" in " ".join(
         capsys.readouterr().out.split()

@@ -9,6 +9,7 @@ import hashlib
 import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -389,6 +390,45 @@ def test_reexport_hits_the_compile_cache(tiny_bundle, tiny_checkpoint, tmp_path)
             assert again.files[rel] == m.files[rel], rel
     assert set(report.max_error) == {*METHOD_NAMES, STEP_METHOD}
     assert all(e <= exporter.TOLERANCE[torch.float32] for e in report.max_error.values())
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_export_over_the_bundle_it_would_build_leaves_it_as_it_is(
+    tiny_bundle, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """`export` into a directory holding exactly the bundle its inputs build: nothing staged, compiled, checked or
+    written. Other inputs (here: not self-checked), or a file changed since, build it again."""
+    m = read_manifest(tiny_bundle)
+    opts = ExportOptions(
+        cache_dir=CACHE, max_audio_chunks=m.model["max_audio_chunks"], max_seq_len=m.model["max_seq_len"]
+    )
+    out = tmp_path / "tiny"
+    shutil.copytree(tiny_bundle, out)
+    model, source, tekken = load_checkpoint(tiny_checkpoint)
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+
+    def stage(dest):
+        raise AssertionError(f"{dest} was built again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(exporter, "make_stage", stage)
+        report = export_voxtral(model, source, tekken, out, opts)
+    assert report.up_to_date and report.max_error == {}
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before
+
+    unchecked = export_voxtral(model, source, tekken, out, replace(opts, check=False))
+    assert not unchecked.up_to_date and unchecked.max_error == {}
+    assert read_manifest(out).model["inputs"] != m.model["inputs"]
+    checked = export_voxtral(model, source, tekken, out, opts)  # the unchecked bundle is not the checked one
+    assert not checked.up_to_date and set(checked.max_error) == {*METHOD_NAMES, STEP_METHOD}
+    assert read_manifest(out).model["inputs"] == m.model["inputs"]
+
+    weights = out / m.methods["token_embedding"].weights
+    damaged = bytearray(weights.read_bytes())
+    damaged[-1] ^= 1
+    weights.write_bytes(bytes(damaged))
+    assert not export_voxtral(model, source, tekken, out, opts).up_to_date
+    verify_bundle(out)
     assert _leftovers(tmp_path) == []
 
 

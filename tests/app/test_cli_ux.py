@@ -238,10 +238,17 @@ def test_pyproject_ships_the_fixtures_and_every_runner_package():
 
     tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     # the list is written out (find cannot also map fixtures/): a new runner package must be added to it
-    assert set(tool["packages"]) == {*find_packages(str(REPO), include=["runner*"]), fixtures.PACKAGE}
+    # the fixtures' importable folders are listed too (setuptools warns of one left out)
+    fixture_dirs = [d.name for d in (REPO / "fixtures").iterdir() if d.is_dir() and d.name.isidentifier()]
+    folders = {f"{fixtures.PACKAGE}.{name}" for name in fixture_dirs if not name.startswith("__")}
+    assert set(tool["packages"]) == {*find_packages(str(REPO), include=["runner*"]), fixtures.PACKAGE, *folders}
     assert tool["package-dir"] == {fixtures.PACKAGE: "fixtures"}
-    shipped = {p.relative_to(REPO / "fixtures").as_posix() for g in tool["package-data"][fixtures.PACKAGE]
-               for p in (REPO / "fixtures").glob(g)}  # fmt: skip
+
+    def folder(package: str) -> Path:  # voxtral_fixtures.audio -> fixtures/audio
+        return REPO / "fixtures" / Path(*package.split(".")[1:])
+
+    shipped = {p.relative_to(REPO / "fixtures").as_posix() for pkg, globs in tool["package-data"].items()
+               for g in globs for p in folder(pkg).glob(g)}  # fmt: skip
     # what the code reads: the tiny preset, bench's default audio; and what the e2e check uses
     assert {"tekken.json", "voxtral-tiny/config.json", "audio/speech.wav", "golden/tiny.json"} <= shipped
 

@@ -115,19 +115,28 @@ def add_export(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import torch
     from rich.console import Console
+
+    from runner.app import export_request
+
+    env: Environment = args.env
+    console = Console(stderr=True, soft_wrap=True)  # a path in a log stays on one line
+    cache_dir = args.cache_dir or env.cache_dir
+    request = export_request.request_key(args, {"pdl": env.pdl, "debug_compile": env.debug_compile})
+    if request is not None and export_request.is_fresh(args.out, request, cache_dir):
+        console.print(f"bundle: {args.out} is up to date", highlight=False)  # the same request left it there
+        print(args.out)
+        return 0
+
+    import torch
 
     from runner.export import presets
     from runner.export.pipeline import ExportOptions
 
-    env: Environment = args.env
     if args.regenerate is not None:
         return _regenerate(args.regenerate)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    console = Console(stderr=True)
-    cache_dir = args.cache_dir or env.cache_dir
     start = presets.load(
         args.preset, args.checkpoint, random_init=args.random_init, seed=args.seed, dtype=dtype, device=device,
         cache_dir=cache_dir,
@@ -176,6 +185,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         console.print(f"bundle: {out} is up to date", highlight=False)
     else:
         console.print(f"bundle: {out}")
+    if request is not None and not report.fallbacks:  # a fallback's bundle: the next export tries the plan again
+        export_request.remember(out, request, cache_dir)
     for m, err in report.max_error.items():
         console.print(f"  {m:16s} max rel. error vs eager {err:.2e}")
     print(out)
@@ -238,7 +249,7 @@ def _regenerate(bundle: Path) -> int:
 
     from runner.export.regenerate import regenerate
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     written = regenerate(bundle, progress=lambda what, phase: console.print(f"  {what:24s} {phase}"))
     console.print(
         f"{bundle}: " + (f"{len(written)} weight files drawn again" if written else "every weight file is there")

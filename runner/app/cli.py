@@ -93,6 +93,13 @@ def add_export(p: argparse.ArgumentParser) -> None:
         "default 64 on cuda, 8 on cpu)",
     )
     p.add_argument(
+        "--max-autotune",
+        metavar="METHODS",
+        default=None,
+        help="compile these methods (comma-separated, e.g. audio_encoder) with Inductor's max_autotune: GEMM "
+        "templates benchmarked beside cuBLAS, with fused epilogues (CUDA; slower to compile)",
+    )
+    p.add_argument(
         "--max-batch",
         type=int,
         default=1,
@@ -157,6 +164,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         quant=args.quant,
         max_streams=args.max_streams,
         max_batch=args.max_batch,
+        max_autotune=tuple(m for m in (args.max_autotune or "").split(",") if m),
     )
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.

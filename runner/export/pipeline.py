@@ -64,6 +64,7 @@ class ExportOptions:
     quant: str = "none"  # "int4": the decoder's linear layers weight-only int4 (runner/export/quant.py)
     max_streams: int | None = None  # voxtral-realtime: stream slots batched in one step (None: the family's default)
     max_batch: int = 1  # voxtral: > 1 adds text_decoder_batch, that many sequences decoded in one step
+    max_autotune: tuple[str, ...] = ()  # methods compiled with Inductor's max_autotune (GEMM templates benchmarked)
 
     def __post_init__(self):
         chunks = self.max_audio_chunks
@@ -125,6 +126,7 @@ def cache_key(model: nn.Module, source: ModelSource, opts: ExportOptions, method
             "debug": opts.debug,
             "quant": opts.quant,
             "format": FORMAT_VERSION,
+            **({"max_autotune": True} if method in opts.max_autotune else {}),  # absent: the keys stay as they were
         },
         sort_keys=True,
     )
@@ -163,6 +165,8 @@ def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_d
     with torch.no_grad():
         ep = plan.exported()
     configs = {"aot_inductor.package_constants_in_so": False, "aot_inductor.debug_compile": opts.debug}
+    if plan.name in opts.max_autotune:  # on CUDA: Triton GEMM templates beside cuBLAS, with fused epilogues
+        configs["max_autotune"] = True
     if opts.device == "cuda":
         # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
         # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
@@ -267,6 +271,12 @@ def build_bundle(
     digests = DigestCache(opts.cache_root / "digests.json")
     report = ExportReport()
 
+    unknown = sorted(set(opts.max_autotune) - {p.name for p in plans})
+    if unknown:
+        raise ExportError(
+            f"--max-autotune {','.join(unknown)}: no such method (these are: {', '.join(p.name for p in plans)})"
+        )
+
     def plan_key(plan: MethodPlan) -> str:
         return cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
 
@@ -344,6 +354,7 @@ def build_bundle(
                 "compile_cached": report.cached,
                 # a bundle with a fallback records no inputs: the next export tries the plan's own compile again
                 **({"fallbacks": report.fallbacks} if report.fallbacks else {"inputs": inputs}),
+                **({"max_autotune": list(opts.max_autotune)} if opts.max_autotune else {}),
             },
             methods={p.name: p.spec for p in plans},
             files=file_entries(stage, files, digests=digests),

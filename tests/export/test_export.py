@@ -432,6 +432,32 @@ def test_an_export_over_the_bundle_it_would_build_leaves_it_as_it_is(
     assert _leftovers(tmp_path) == []
 
 
+def test_max_autotune_reaches_only_the_methods_named(default_tiny_bundle, tiny_checkpoint, tmp_path, monkeypatch):
+    """`--max-autotune audio_encoder`: that method is compiled with Inductor's max_autotune and cached under its own
+    key; every other method's key is the one an export without the flag uses (so it comes from the cache). A name
+    that is no method fails before anything is compiled."""
+    model, source, tekken = load_checkpoint(tiny_checkpoint)
+    plain, tuned = ExportOptions(cache_dir=CACHE), ExportOptions(cache_dir=CACHE, max_autotune=("audio_encoder",))
+    for method in METHOD_NAMES:
+        same = exporter.cache_key(model, source, plain, method, {}) == exporter.cache_key(
+            model, source, tuned, method, {}
+        )
+        assert same == (method != "audio_encoder"), method
+    compiled = {}
+
+    def compile_(ep, package_path, inductor_configs):
+        compiled[Path(package_path).stem] = inductor_configs.get("max_autotune", False)
+        raise RuntimeError("stop at the first compile")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_)
+    with pytest.raises(ExportError, match=r"--max-autotune nope: no such method \(these are: preprocessor, "):
+        export_voxtral(model, source, tekken, tmp_path / "out", replace(tuned, max_autotune=("nope",)))
+    assert compiled == {}
+    with pytest.raises(RuntimeError, match="stop at the first compile"):
+        export_voxtral(model, source, tekken, tmp_path / "out", tuned)  # the preprocessor from the cache
+    assert compiled == {"audio_encoder": True}
+
+
 def test_failed_compile_leaves_no_half_bundle(tiny_bundle, tiny_checkpoint, tmp_path, monkeypatch):
     """A private compile cache holding only the preprocessor: it is staged, then audio_encoder's compile fails.
     Nothing may be left: no bundle, no staging directory."""

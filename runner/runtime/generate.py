@@ -295,6 +295,8 @@ class MultimodalRunner:
         if len(answers) != len(windows):
             raise GenerationError(f"{len(answers)} answers for {len(windows)} prompt windows")
         e, scored = self.engine, []
+        if not hasattr(e, "score"):
+            raise GenerationError(f"{type(e).__name__} cannot score an answer: its decoder gives the last logits only")
         with self.exclusive():
             for segments, answer in zip(windows, answers):
                 if not answer:

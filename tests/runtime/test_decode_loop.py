@@ -6,6 +6,7 @@ the engine overwrites one logits buffer every step (as a CUDA-graph replay does)
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,6 +125,9 @@ def test_an_answer_is_scored_at_each_of_its_tokens_in_one_call_per_window():
     assert [int(r.argmax()) for r in rows] == want and all(r.shape == (1, V) for r in rows)
     with pytest.raises(GenerationError, match="2 answers for 3 prompt windows"):
         runner.score_windows(windows, answers[:2])
+    compiled = MultimodalRunner(SimpleNamespace(device="cpu"), Tekken.from_file(TEKKEN), None)  # no score()
+    with pytest.raises(GenerationError, match="SimpleNamespace cannot score an answer"):
+        compiled.score_windows(windows, answers)
 
 
 def test_text_streams_only_read_tokens():

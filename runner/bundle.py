@@ -252,13 +252,18 @@ def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
     return Manifest.from_json(path.read_text(errors="replace"), source=str(path))
 
 
+def weight_files(manifest: Manifest) -> list[str]:
+    """The manifest's weight files (one may serve two methods)."""
+    return sorted({m.weights for m in manifest.methods.values() if m.weights})
+
+
 def regenerable_weights(manifest: Manifest) -> set[str]:
     """The weight files of a random-init bundle that records how its weights were drawn (they need not travel:
     runner/export/regenerate.py draws them again and checks them against their digests); empty otherwise."""
     source = manifest.model.get("source") if isinstance(manifest.model, dict) else None
     if not (isinstance(source, dict) and source.get("kind") == "random-init" and source.get("generator")):
         return set()
-    return {m.weights for m in manifest.methods.values() if m.weights}
+    return set(weight_files(manifest))
 
 
 def verify_bundle(

@@ -134,14 +134,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         console.print(f"bundle: {args.out} is up to date", highlight=False)  # the same request left it there
         print(args.out)
         return 0
+    if args.regenerate is not None:
+        return _regenerate(args.regenerate)
 
     import torch
 
     from runner.export import presets
     from runner.export.pipeline import ExportOptions
 
-    if args.regenerate is not None:
-        return _regenerate(args.regenerate)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
     start = presets.load(
@@ -255,9 +255,15 @@ def _run_loaded(args: argparse.Namespace, work) -> int:
 def _regenerate(bundle: Path) -> int:
     from rich.console import Console
 
-    from runner.export.regenerate import regenerate
+    from runner.bundle import read_manifest, weight_files
 
     console = Console(stderr=True, soft_wrap=True)
+    if all((bundle / f).is_file() for f in weight_files(read_manifest(bundle))):  # nothing to draw: no torch
+        console.print(f"{bundle}: every weight file is there")
+        print(bundle)
+        return 0
+    from runner.export.regenerate import regenerate
+
     written = regenerate(bundle, progress=lambda what, phase: console.print(f"  {what:24s} {phase}"))
     console.print(
         f"{bundle}: " + (f"{len(written)} weight files drawn again" if written else "every weight file is there")

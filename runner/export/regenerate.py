@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runner.bundle import Manifest, read_manifest
+from runner.bundle import Manifest, read_manifest, weight_files
 from runner.digests import sha256_file
 from runner.errors import RunnerError
 from runner.export.checkpoint import generator_id, random_model
@@ -24,11 +24,6 @@ from runner.export.pipeline import ExportOptions, method_weights, prepare
 from runner.families.voxtral import NAME as VOXTRAL
 
 RANDOM_INIT = "random-init"  # ModelSource.kind of random_model's weights
-
-
-def weight_files(manifest: Manifest) -> list[str]:
-    """The manifest's weight files (one may serve two methods)."""
-    return sorted({m.weights for m in manifest.methods.values() if m.weights})
 
 
 def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:

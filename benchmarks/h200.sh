@@ -15,6 +15,8 @@
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
 #   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up
 #            and the TTFT of the process's first file -> firstrun.md
+#   weights  benchmarks/load_weights.py: 3B-sized weights files onto the GPU by our streamed loader, safetensors'
+#            load_file and session 19's grouped mappings, a fresh process each, alternating -> weights.{md,json}
 #   regen    the random-init bundle's weights drawn again into a copy without them: every digest must match;
 #            prints what the artifact weighs with and without its weights
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
@@ -64,6 +66,7 @@ T_INT4=${T_INT4:-300}
 BUNDLE_INT4=${BUNDLE_INT4:-artifacts/3b-int4}
 T_LONG=${T_LONG:-420}
 T_REGEN=${T_REGEN:-180}
+T_WEIGHTS=${T_WEIGHTS:-240}
 T_FIRSTRUN=${T_FIRSTRUN:-300}
 T_SMALL24B=${T_SMALL24B:-560}
 T_THROUGHPUT=${T_THROUGHPUT:-240}
@@ -92,7 +95,7 @@ RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-sec
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench long firstrun regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
+MODES="setup tests export bench long firstrun weights regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -227,6 +230,13 @@ PY
   else
     NOTE="no JSON written (rc $rc)"
   fi
+  return $rc
+}
+
+mode_weights() {
+  run_for "$T_WEIGHTS" python3 benchmarks/load_weights.py --dir artifacts/wbench --rounds 2 --out "$OUT/weights.md"
+  local rc=$?
+  NOTE=$([ -s "$OUT/weights.md" ] && grep '^| ours\|^| safe\|^| grouped' "$OUT/weights.md" | cut -d'|' -f2-4 | paste -sd ';')
   return $rc
 }
 
@@ -558,7 +568,7 @@ for m in "${todo[@]}"; do
 done
 
 # at most 8 files come back from $OUT: past that, pack them all and keep the headline ones beside the pack
-keep=(summary.md bench_tp.md bench_tp.json bench_24b.md bench_24b.json realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md firstrun.md 3b_profile.md cuda_tests.log soak.log
+keep=(summary.md weights.md bench_tp.md bench_tp.json bench_24b.md bench_24b.json realtime.md realtime.json bench_3b_int4.json bench_3b.json bench_3b.md bench_long.json bench_long.md bench_3b.png ab.md firstrun.md 3b_profile.md cuda_tests.log soak.log
   whisper_cuda_fp32_e2e.jsonl whisper_cuda_bf16_e2e.jsonl 3b_export.log env.txt)
 {
   echo "| mode | status | s | limit s | result |"

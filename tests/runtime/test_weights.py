@@ -1,5 +1,6 @@
-"""runner/runtime/weights.py: a weights file read in groups (as onto a GPU) gives what safetensors' load_file
-gives, whatever the group size; groups follow the file's order and hold at most the group size."""
+"""runner/runtime/weights.py: a weights file streamed through buffers (as onto a GPU) gives what safetensors'
+load_file gives, whatever the buffer size (tensors cut across buffers, several in one, empty ones); a malformed or
+truncated file is an error, not a partial load."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from runner.runtime.weights import groups, load_weights
+from runner.runtime.weights import layout, load_weights
 
 
 @pytest.fixture
@@ -20,35 +21,43 @@ def weights_file(tmp_path):
         "m.ids": torch.arange(7, dtype=torch.int64),
         "b.half": torch.randn(3, 4, generator=g).to(torch.float16),
         "flag": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "codes": torch.randint(0, 255, (33,), generator=g, dtype=torch.uint8),
     }
     path = tmp_path / "w.safetensors"
-    save_file(tensors, str(path))
+    save_file(tensors, str(path), metadata={"format": "pt"})
     return path, tensors
 
 
-@pytest.mark.parametrize("group_bytes", [1, 100, 4096, 1 << 30])
-def test_grouped_read_equals_load_file(weights_file, group_bytes):
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 100, 4096, 1 << 30])
+def test_a_streamed_read_equals_load_file(weights_file, chunk_bytes):
     path, tensors = weights_file
-    got = load_weights(path, torch.device("cpu"), group_bytes=group_bytes, grouped=True)
+    got = load_weights(path, torch.device("cpu"), chunk_bytes=chunk_bytes, streamed=True)
     want = load_file(str(path))
     assert got.keys() == want.keys() == tensors.keys()
     for k, t in tensors.items():
-        assert got[k].dtype == t.dtype and torch.equal(got[k], t)
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
 
 
-def test_groups_hold_at_most_the_group_size_in_file_order(weights_file):
+def test_the_layout_is_in_file_order_and_tiles_the_data(weights_file):
     path, tensors = weights_file
-    nbytes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    cut = groups(path, 100)
-    flat = [n for g in cut for n in g]
-    assert sorted(flat) == sorted(tensors)
-    for g in cut:  # a tensor over the size is alone; otherwise the group fits
-        assert len(g) == 1 or sum(nbytes[n] for n in g) <= 100
-    assert groups(path, 1 << 30) == [flat]  # one group when it all fits, in the same (file) order
+    start, entries = layout(path)
+    assert sorted(e[0] for e in entries) == sorted(tensors)
+    assert entries[0][3] == 0 and all(a[4] == b[3] for a, b in zip(entries, entries[1:]))
+    assert start + entries[-1][4] == path.stat().st_size
 
 
 def test_a_malformed_file_raises_safetensors_error(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     with pytest.raises(SafetensorError):
-        load_weights(bad, torch.device("cpu"), grouped=True)
+        load_weights(bad, torch.device("cpu"), streamed=True)
+
+
+def test_a_truncated_file_is_refused(weights_file, tmp_path):
+    path, _ = weights_file
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises((SafetensorError, ValueError)):
+        load_weights(cut, torch.device("cpu"), chunk_bytes=64, streamed=True)

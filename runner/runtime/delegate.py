@@ -23,6 +23,7 @@ import ctypes
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +143,7 @@ class SharedTensors:
 
     weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by weights file
     state: dict[tuple[str | None, str], torch.Tensor] = field(default_factory=dict)  # by (weights file, FQN)
+    weights_ms: float = 0.0  # reading the weights files onto the device, of the methods' init time
 
 
 class AOTIBackend:
@@ -213,10 +215,12 @@ class AOTIBackend:
             weights = shared.weights.get(h.spec.weights)
             if weights is None:
                 wpath = safe_member(bundle_dir, h.spec.weights)
+                t0 = time.perf_counter()
                 try:
                     weights = load_weights(wpath, torch.device(h.device))
                 except Exception as e:  # safetensors raises its own error types for malformed files
                     raise DelegateError(f"{wpath}: cannot read weights ({e})") from None
+                shared.weights_ms += (time.perf_counter() - t0) * 1e3
                 shared.weights[h.spec.weights] = weights
         n = _sz()
         self._call(h, "AOTInductorModelContainerGetNumConstants", h.container, ctypes.byref(n))

@@ -91,6 +91,7 @@ class Program:
             for m in methods.values():
                 m.destroy()
             raise
+        load_ms["weights"] = shared.weights_ms  # part of the methods' times, not beside them
         return cls(bundle_dir, manifest, methods, load_ms)
 
     @property

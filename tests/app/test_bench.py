@@ -18,6 +18,7 @@ from runner.app.bench.report import (
     FIGURE,
     HEADLINE,
     MAX_HEADLINE,
+    METHODS,
     OURS,
     Summary,
     from_records,
@@ -109,6 +110,13 @@ def test_json_has_ours_eager_and_their_ratio(bench_run):
         assert r == pytest.approx(ratio(FIGURE[figure], ours, eager), rel=1e-4)
     assert len(by[(OURS, "e2e_total_ms")]["metric"]["benchmark_values"]) == 2  # --runs 2, warm-up excluded
     assert (OURS, "load_verify_ms") in by and (OURS, "load_text_decoder_ms") in by
+    inits = sum(
+        float(by[(OURS, f"load_{m}_ms")]["metric"]["extra_info"]["median"])
+        for m in METHODS
+        if (OURS, f"load_{m}_ms") in by
+    )
+    weights = float(by[(OURS, "load_weights_ms")]["metric"]["extra_info"]["median"])
+    assert 0 < weights <= inits  # the weights' reading is a part of the methods' inits
     extra = records[0]["benchmark"]["extra_info"]
     assert extra["device"] == "cpu" and extra["torch_version"] and len(extra["bundle_digest"]) == 64
     ours_info = by[(OURS, "e2e_total_ms")]["model"]["extra_info"]

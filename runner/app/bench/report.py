@@ -37,6 +37,7 @@ METHODS = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "
 FIGURES: tuple[Figure, ...] = (
     Figure("load_verify_ms", "load: bundle verification", "ms", "lower", "load"),
     *(Figure(f"load_{m}_ms", f"load: {m} init", "ms", "lower", "load") for m in METHODS),
+    Figure("load_weights_ms", "load: of the inits, weights files onto the device", "ms", "lower", "load"),
     Figure("load_total_ms", "load: total", "ms", "lower", "load"),
     Figure("load_warm_up_ms", "load: warm-up (first calls, decode graph)", "ms", "lower", "load"),
     Figure("preprocessor_ms", "preprocessor", "ms", "lower", "method"),

@@ -13,8 +13,8 @@
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
-#   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up
-#            and the TTFT of the process's first file -> firstrun.md
+#   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up,
+#            the TTFT of the process's first file and the process's peak RSS -> firstrun.md
 #   weights  benchmarks/load_weights.py: 3B-sized weights files onto the GPU by our streamed loader, safetensors'
 #            load_file and session 19's grouped mappings, a fresh process each, alternating -> weights.{md,json}
 #   regen    the random-init bundle's weights drawn again into a copy without them: every digest must match;
@@ -300,27 +300,32 @@ mode_int4() {
 mode_firstrun() {
   need_bundle || { NOTE="no bundle"; return 1; }
   local flags name rc=0
-  printf '| process | flags | load (ms) | warm-up (ms) | TTFT of its first file (ms) |\n|---|---|---:|---:|---:|\n' > "$OUT/firstrun.md"
+  printf '| process | flags | load (ms) | warm-up (ms) | TTFT of its first file (ms) | peak RSS, whole process (MiB) |\n|---|---|---:|---:|---:|---:|\n' > "$OUT/firstrun.md"
   for flags in "" "--no-warm-up" "" "--no-warm-up"; do
     name=firstrun_${flags:+nowarm}${flags:-warm}
     # one `run` process per row: load, then one file, as a user's first file meets it
-    run_for 120 python3 -m runner run --bundle "$BUNDLE" --audio fixtures/audio/speech.wav --language en --json \
-      $flags > "$OUT/$name.jsonl" 2>> "$OUT/firstrun.log" || { rc=$?; tail -5 "$OUT/firstrun.log"; }
-    python3 - "$OUT/$name.jsonl" "$flags" >> "$OUT/firstrun.md" <<'PY'
-import json, sys
+    # the child's peak RSS, imports included: what a user's process holds (ru_maxrss of the waited-for child)
+    run_for 120 python3 -c 'import resource, subprocess, sys
+rc = subprocess.run(sys.argv[2:]).returncode
+open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024))
+sys.exit(rc)' "$OUT/$name.rss" python3 -m runner run --bundle "$BUNDLE" --audio fixtures/audio/speech.wav --language en \
+      --json $flags > "$OUT/$name.jsonl" 2>> "$OUT/firstrun.log" || { rc=$?; tail -5 "$OUT/firstrun.log"; }
+    python3 - "$OUT/$name.jsonl" "$flags" "$OUT/$name.rss" >> "$OUT/firstrun.md" <<'PY'
+import json, os, sys
 recs = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
 s = recs[0]["stats"] if recs and "stats" in recs[0] else None
+rss = open(sys.argv[3]).read().strip() if os.path.exists(sys.argv[3]) else "–"
 if s is None:
-    print(f"| run | `{sys.argv[2]}` | no record | | |")
+    print(f"| run | `{sys.argv[2]}` | no record | | | {rss} |")
 else:
     load = s["model_load_end_ms"] - s["model_load_start_ms"]
-    print(f"| run | `{sys.argv[2]}` | {load:.0f} | {s.get('warm_up_ms', 0):.0f} | {s['ttft_ms']:.1f} |")
+    print(f"| run | `{sys.argv[2]}` | {load:.0f} | {s.get('warm_up_ms', 0):.0f} | {s['ttft_ms']:.1f} | {rss} |")
 PY
   done
   cat "$OUT/firstrun.md"
-  NOTE=$(awk -F'|' 'NR > 2 && $5 ~ /[0-9]/ { k = ($3 ~ /no-warm/) ? "cold" : "warm"; n[k]++; t[k] += $6; l[k] += $4 }
-    END { printf "first TTFT warm-up %.1f ms (load %.0f), without %.1f ms (load %.0f)",
-          t["warm"]/n["warm"], l["warm"]/n["warm"], t["cold"]/n["cold"], l["cold"]/n["cold"] }' "$OUT/firstrun.md")
+  NOTE=$(awk -F'|' 'NR > 2 && $5 ~ /[0-9]/ { k = ($3 ~ /no-warm/) ? "cold" : "warm"; n[k]++; t[k] += $6; l[k] += $4; if ($7 + 0 > r) r = $7 + 0 }
+    END { printf "first TTFT warm-up %.1f ms (load %.0f), without %.1f ms (load %.0f); peak RSS %d MiB",
+          t["warm"]/n["warm"], l["warm"]/n["warm"], t["cold"]/n["cold"], l["cold"]/n["cold"], r }' "$OUT/firstrun.md")
   echo "  $NOTE"
   return $rc
 }

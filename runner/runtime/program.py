@@ -13,6 +13,7 @@ from runner.digests import DigestCache, default_cache_dir
 from runner.errors import BundleError
 from runner.runtime.delegate import AOTIBackend, Handle, SharedTensors
 from runner.runtime.options import RuntimeOptions
+from runner.runtime.weights import release_staging
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class Program:
             for m in methods.values():
                 m.destroy()
             raise
+        finally:
+            release_staging()
         load_ms["weights"] = shared.weights_ms  # part of the methods' times, not beside them
         return cls(bundle_dir, manifest, methods, load_ms)
 

@@ -7,7 +7,11 @@
 3. step: the whole decode step (30 layers + lm_head) in one CUDA graph with programmatic edges: bf16 and int4
    DecodeStep; int4 logits against the int4 written-out decoder (dequantised in torch) at S = 1.
 4. tune: each int4 kind's config tuned inside the int4 step (the others held).
-5. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
+5. tinygemm: aten's `_weight_int4pack_mm` (tinygemm's tensor-core kernels, in torch) at M = 1 on the same layers'
+   codes (`quant.tinygemm_operands`), the plain matmul without our epilogues, beside the bf16 kernel and (when
+   gemv ran first) our int4 kernel: whether a well-kept int4 kernel reaches the memory-bound speed ours does not
+   (NOTES 33, 36). Its error against float64 is checked first, and its nibble order found, on the first layer.
+6. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
    bf16 step decodes greedily; int4 prefills the same prompt (torch dequant) and steps through the same tokens
    with the int4 kernels. Also the prompt's positions (all logits, both models in torch), and bf16's own step
    against its written-out decoder (the kernels' rounding alone).
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from runner.export import kernels as K
 from runner.export import kernels_int4 as K4
 from runner.export.decode_step import DecodeStep
-from runner.export.quant import apply_quant
+from runner.export.quant import apply_quant, tinygemm_operands
 from runner.models.quant_linear import QuantLinear
 from runner.models.voxtral import Voxtral, rope
 from runner.models.voxtral_config import preset
@@ -183,6 +187,53 @@ def part_gemv(cs, results, grid) -> None:
               f"{o['bf16_us_per_call']:.1f} us {o['bf16_tb_s']:.2f} TB/s | top5 {o['top5']}", flush=True)  # fmt: skip
         K4.INT4_CONFIGS[key_of(kind, n, k)] = cfg  # the step below runs with the winners
     results["kernels"] = compiled_kernels()
+
+
+def part_tinygemm(cs, results) -> None:
+    out = results["tinygemm"] = {}
+    g = torch.Generator(device=DEV).manual_seed(2)
+    for kind, (_launch, _launch_bf16, _ref, lins, ws) in cs.items():
+        k = lins[0].in_features
+        x = torch.randn(1, k, generator=g, device=DEV).to(BF16)
+        first_codes, first_sz = tinygemm_operands(lins[0])
+        want = x.double() @ lins[0].dequantize(torch.float32).double().T
+        err = {}
+        for name, hi, lo in (("even-high", 0, 1), ("odd-high", 1, 0)):  # which nibble of a byte holds column 2j
+            b = (first_codes[:, hi::2] << 4 | first_codes[:, lo::2]).to(torch.uint8)
+            got = torch.ops.aten._weight_int4pack_mm(
+                x, torch.ops.aten._convert_weight_to_int4pack(b, 8), lins[0].group_size, first_sz
+            )
+            err[name] = rel(got, want)
+        order = min(err, key=err.get)
+        hi, lo = (0, 1) if order == "even-high" else (1, 0)
+        ops = []
+        for lin in lins:
+            codes, sz = tinygemm_operands(lin)
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (codes[:, hi::2] << 4 | codes[:, lo::2]).to(torch.uint8), 8
+            )
+            ops.append((packed, sz, lin.group_size))
+        ms = graph_ms(lambda ops=ops, x=x: [torch.ops.aten._weight_int4pack_mm(x, p, gs, sz) for p, sz, gs in ops])
+        b = sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz, _ in ops)
+        x1 = x[0]
+        bf16_ms = graph_ms(lambda ws=ws, x1=x1: [K._launch_gemv(x1, w) for w in ws])
+        wb = sum(w.numel() * w.element_size() for w in ws)
+        ours = results.get("gemv", {}).get(kind, {}).get("us_per_call")
+        out[kind] = {
+            "n": lins[0].out_features,
+            "k": k,
+            "vs_float64": err[order],
+            "nibble_order": order,
+            "errors_by_order": err,
+            "us_per_call": ms * 1e3 / len(ops),
+            "tb_s": b / ms / 1e9,
+            "bf16_us_per_call": bf16_ms * 1e3 / len(ws),
+            "bf16_tb_s": wb / bf16_ms / 1e9,
+            "ours_int4_us_per_call": ours,
+        }
+        o = out[kind]
+        print(f"tinygemm {kind:16s} {o['us_per_call']:.1f} us/call {o['tb_s']:.2f} TB/s (vs float64 {err[order]:.1e}, "
+              f"{order}) | bf16 kernel {o['bf16_us_per_call']:.1f} us | ours int4 {ours}", flush=True)  # fmt: skip
 
 
 def key_of(kind: str, n: int, k: int):
@@ -353,9 +404,11 @@ def main() -> None:
         for part in parts:
             t0 = time.time()
             with torch.no_grad():
-                if part in ("check", "gemv"):
+                if part in ("check", "gemv", "tinygemm"):
                     cs = cases(m, q)
-                    (part_check(cs, results) if part == "check" else part_gemv(cs, results, grid))
+                    {"check": part_check, "gemv": lambda c, r: part_gemv(c, r, grid), "tinygemm": part_tinygemm}[part](
+                        cs, results
+                    )
                 elif part == "step":
                     part_step(m, q, results, args.fill, pdl)
                 elif part == "tune":

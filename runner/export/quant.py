@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from runner.errors import ExportError
-from runner.models.quant_linear import NIBBLES, QuantLinear, group_for, quantized_names, swap_module
+from runner.models.quant_linear import NIBBLES, QuantLinear, group_for, quantized_names, swap_module, unpack
 
 GROUP_SIZE = 128
 LEVELS = 15  # codes 0..15
@@ -75,6 +75,19 @@ def quantize_linear(lin: nn.Linear, group_size: int = GROUP_SIZE) -> QuantLinear
         if lin.bias is not None:
             out.bias.copy_(lin.bias)
     return out
+
+
+def tinygemm_operands(lin: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A QuantLinear as aten's int4pack matmuls take it (`_weight_int4pack_mm`: tinygemm's tensor-core kernels on
+    CUDA; `..._for_cpu` its CPU twin): the codes int32 [N, K] in column order, and scales_and_zeros
+    [K / G, N, 2] in the scales' dtype. Those kernels dequantise (q - 8) * scale + zero, so zero = offset + 8 *
+    scale, rounded once to the scales' dtype (in bf16 that rounding is the format's only loss against ours).
+    The packing is the caller's: `_convert_weight_to_int4pack` takes the codes two to a byte on CUDA,
+    `..._for_cpu` as they are."""
+    s, o = lin.scales.float(), lin.offsets.float()
+    zeros = o + 8 * s
+    sz = torch.stack([s, zeros], dim=-1).transpose(0, 1).contiguous().to(lin.scales.dtype)
+    return unpack(lin.qweight, lin.group_size), sz
 
 
 def apply_quant(model: nn.Module, family: str, quant: str, group_size: int = GROUP_SIZE) -> dict | None:

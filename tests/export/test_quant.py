@@ -15,7 +15,16 @@ from torch import nn
 from runner.app.inspect_bundle import quant_line
 from runner.errors import ExportError
 from runner.export.pipeline import ExportOptions, cache_key
-from runner.export.quant import GROUP_SIZE, LEVELS, PATTERNS, apply_quant, pack, quantize, quantize_linear
+from runner.export.quant import (
+    GROUP_SIZE,
+    LEVELS,
+    PATTERNS,
+    apply_quant,
+    pack,
+    quantize,
+    quantize_linear,
+    tinygemm_operands,
+)
 from runner.models.quant_linear import QuantLinear, dequantize, group_for, unpack, use_quant_layout
 from runner.models.state import load_state
 from runner.models.voxtral import Voxtral
@@ -180,3 +189,22 @@ def test_inspect_line_names_the_scheme():
     line = quant_line(record)
     assert "int4 weight-only, groups of 128, asymmetric (scale + offset) in float32, 9 linear layers" in line
     assert quant_line(None) == "weights: unquantised (the bundle's dtype)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tinygemm_operands_give_the_dequantised_linear_through_atens_int4pack_matmul(dtype):
+    """The operands for aten's int4pack matmul (tinygemm on CUDA; its CPU twin here, same scales_and_zeros):
+    (q - 8) * scale + zero must be our q * scale + offset."""
+    torch.manual_seed(0)
+    lin = quantize_linear(nn.Linear(512, 96, bias=False).to(dtype))
+    codes, sz = tinygemm_operands(lin)
+    assert codes.shape == (96, 512) and sz.shape == (512 // lin.group_size, 96, 2) and sz.dtype == dtype
+    x = torch.randn(3, 512).to(dtype)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
+    got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, lin.group_size, sz)
+    want = x.double() @ lin.dequantize(torch.float32).double().T
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+    wrong = torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]], -1)  # the offset as the zero: off by 8 steps
+    bad = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, lin.group_size, wrong)
+    assert ((bad.double() - want).abs().max() / want.abs().max()).item() > 10 * err

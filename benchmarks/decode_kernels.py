@@ -11,6 +11,7 @@
     python benchmarks/decode_kernels.py --out results.json     (GPU; about 3 minutes)
     python benchmarks/decode_kernels.py --parts attention,step --attention-fills 385,450,512 --fill 450
     python benchmarks/decode_kernels.py --parts tune --fill 450     (each GEMV's config inside the step)
+    python benchmarks/decode_kernels.py --parts attention --max-seq 10240 --attention-fills 385,2000,7510   (long cache)
 """
 
 from __future__ import annotations
@@ -177,7 +178,9 @@ def sweep_attention(lm, c, results, fills=(512, 1000)) -> dict:
 
         ref_ms = graph_ms(lambda p=pos, q=q: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
-        for splits, bt in itertools.product((1, 2, 4, 8, 16), (32, 64, 128)):
+        max_seq = caches[0][0].shape[-2]
+        long = (32, 64) if max_seq >= K.LONG_CACHE else ()  # a long cache's fills: more programs than 132 SMs
+        for splits, bt in itertools.product((1, 2, 4, 8, 16, *long), (32, 64, 128)):
             got = fused(pos, splits, bt, caches[:1])[0]
             err = rel_err(got, reference_attention(q, *caches[0], pos, rep, d))
             ms = graph_ms(lambda p=pos, s=splits, b=bt: fused(p, s, b), 20)
@@ -311,6 +314,13 @@ def main() -> None:
         "--attention-fills", default="512,1000", help="cache fills for the attention sweep (the bench decodes 385-512)"
     )
     ap.add_argument(
+        "--max-seq",
+        type=int,
+        default=1024,
+        help="the caches' positions (10240: the 10-minute bundle's; 32 and 64 "
+        "splits join the attention sweep from 4096)",
+    )
+    ap.add_argument(
         "--parts", default="gemv,attention,step", help="which of gemv,attention,step,tune (in-step GEMV tuning) to run"
     )
     args = ap.parse_args()
@@ -321,10 +331,11 @@ def main() -> None:
         fills = [int(f) for f in args.attention_fills.split(",")]
     except ValueError:
         ap.error(f"--attention-fills: comma-separated integers, got {args.attention_fills!r}")
-    if not all(1 <= f <= 1024 for f in fills) or not 0 <= args.fill < 1024:  # the sweep's cache holds 1024
-        ap.error("--attention-fills: 1 to 1024 positions each; --fill: a position from 0 to 1023")
+    cap = args.max_seq
+    if not all(1 <= f <= cap for f in fills) or not 0 <= args.fill < cap:  # the sweep's caches hold --max-seq
+        ap.error(f"--attention-fills: 1 to {cap} positions each; --fill: a position from 0 to {cap - 1}")
     c = TextConfig()
-    lm = build(c, 1024, 1000)
+    lm = build(c, cap, max(fills + [args.fill + 1]))
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         if "gemv" in parts:  # the best configs replace the table's for the step below

@@ -21,7 +21,7 @@
 #            prints what the artifact weighs with and without its weights
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
 #   profile  profile_decode.py's kernel table of the bundle ($PROFILE_ARGS, default --no-ceilings)
-#   kernels  decode_kernels.py --parts $KERNEL_PARTS (default tune) --fill $KERNEL_FILL (default 450)
+#   kernels  decode_kernels.py --parts $KERNEL_PARTS (default tune) --fill $KERNEL_FILL (default 450) $KERNEL_ARGS
 #   whisper  Whisper tiny.en exported and run for each of $WHISPER_DTYPES (fp32 bf16), graph and no graph, WER
 #   soak     the tiny bf16 CUDA bundle with 4 chunks, then the soak tests on it ($SOAK_TESTS)
 #   small24b Voxtral-Small-24B dims (voxtral-small-24b), random init, bf16, --max-seq-len 1024 --max-audio-chunks 1
@@ -87,6 +87,7 @@ AB_B=${AB_B---no-pdl}
 PROFILE_ARGS=${PROFILE_ARGS:---no-ceilings}
 KERNEL_PARTS=${KERNEL_PARTS:-tune}
 KERNEL_FILL=${KERNEL_FILL:-450}
+KERNEL_ARGS=${KERNEL_ARGS-}  # more decode_kernels.py flags: "--max-seq 10240 --attention-fills 385,2000,7510"
 WHISPER_DTYPES=${WHISPER_DTYPES:-fp32 bf16}
 RT_BUNDLE=${RT_BUNDLE:-artifacts/rt4b}
 RT_STREAMS=${RT_STREAMS:-64}
@@ -371,12 +372,13 @@ mode_profile() {
 }
 
 mode_kernels() {
-  local rc
+  local rc kernel_extra
+  read -ra kernel_extra <<< "$KERNEL_ARGS"
   # decode_kernels.py imports profile_decode.py from its own folder
   (cd benchmarks && run_for "$T_KERNELS" python3 decode_kernels.py --parts "$KERNEL_PARTS" --fill "$KERNEL_FILL" \
-    --out "$OUT/decode_kernels.json" > "$OUT/decode_kernels.log" 2>&1)
+    "${kernel_extra[@]}" --out "$OUT/decode_kernels.json" > "$OUT/decode_kernels.log" 2>&1)
   rc=$?
-  grep -E "in-step|attention:" "$OUT/decode_kernels.log"
+  grep -E "in-step|attention" "$OUT/decode_kernels.log"
   tail -3 "$OUT/decode_kernels.log"
   NOTE="$(grep -c "in-step" "$OUT/decode_kernels.log") in-step lines (decode_kernels.json)"
   return $rc

@@ -97,8 +97,8 @@ def test_rope_table(pos):
 
 
 @pytest.mark.parametrize("pos", [0, 15, 16, 47, 63])  # one position, block edges, the last slot
-# tl.dot: block_t >= 16; 16 splits (a long cache's) leave most of them empty at these positions
-@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16), (16, 16)])
+# tl.dot: block_t >= 16; 16 and 64 splits (a long cache's, and the long sweep's widest) leave most of them empty here
+@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (8, 32), (8, 16), (16, 16), (64, 16)])
 def test_decode_attention(pos, splits, block_t):
     """The fused op against apply_rope + a cache write + attention in float32: output, the written slot, every other
     slot untouched, and the split counters (the last split of each KV head merges)."""

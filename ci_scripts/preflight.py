@@ -4,7 +4,7 @@ When all is well it writes the jobs' matrix (`matrix=` JSON, with --github-outpu
 CELLS at the chosen dtype; a dispatch may pick one preset, or a checkpoint (one cell).
 
     python ci_scripts/preflight.py [--github-output FILE]
-        # reads CUDA_RUNNER_LABEL, PRESET, CHECKPOINT, DTYPE, MAX_NEW_TOKENS, BENCHMARK_RUNS
+        # reads CUDA_RUNNER_LABEL, PRESET, CHECKPOINT, DTYPE, QUANT, MAX_NEW_TOKENS, BENCHMARK_RUNS
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ import sys
 from collections.abc import Mapping
 
 PRESETS = ("voxtral-mini-3b", "tiny")
-# The matrix's cells: (cell key, preset, random weights). The cell key names the export job's digest output
-# (`digest-<cell>` in cuda.yml), so a new cell needs a line there too.
-CELLS = (("tiny", "tiny", False), ("3b", "voxtral-mini-3b", True))
+# The matrix's cells: (cell key, preset, random weights, --quant). The cell key names the export job's digest
+# output (`digest-<cell>` in cuda.yml), so a new cell needs a line there too.
+CELLS = (
+    ("tiny", "tiny", False, "none"),
+    ("3b", "voxtral-mini-3b", True, "none"),
+    ("3b-int4", "voxtral-mini-3b", True, "int4"),
+)
 ALL = "all"
 DTYPES = ("bf16", "fp32")
+QUANTS = ("none", "int4")
 MAX_NEW_TOKENS = (1, 4096)
 BENCHMARK_RUNS = (1, 100)
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -47,6 +52,16 @@ def problems(env: Mapping[str, str]) -> list[str]:
         out.append(f"preset {env.get('PRESET', '')!r}: choose from {', '.join((ALL, *PRESETS))}")
     if env.get("DTYPE", "") not in DTYPES:
         out.append(f"dtype {env.get('DTYPE', '')!r}: choose from {', '.join(DTYPES)}")
+    quant, preset = env.get("QUANT", ALL), env.get("PRESET", "")
+    if quant not in (ALL, *QUANTS):
+        out.append(f"quant {quant!r}: choose from {', '.join((ALL, *QUANTS))}")
+    elif (
+        not checkpoint
+        and preset in (*PRESETS, ALL)
+        and not any(preset in (ALL, c[1]) and quant in (ALL, c[3]) for c in CELLS)
+    ):
+        have = ", ".join(f"{c[1]} {c[3]}" for c in CELLS)
+        out.append(f"no cell is preset {preset} with quant {quant}: the cells are {have}")
     for name, (lo, hi) in (("MAX_NEW_TOKENS", MAX_NEW_TOKENS), ("BENCHMARK_RUNS", BENCHMARK_RUNS)):
         p = _whole(env.get(name, ""), name.lower().replace("_", "-"), lo, hi)
         if p:
@@ -55,15 +70,17 @@ def problems(env: Mapping[str, str]) -> list[str]:
 
 
 def matrix(env: Mapping[str, str]) -> dict:
-    """The matrix for valid inputs: {"include": [{cell, preset, checkpoint, random-init, dtype}, ...]}."""
+    """The matrix for valid inputs: {"include": [{cell, preset, checkpoint, random-init, dtype, quant}, ...]}."""
     dtype, checkpoint, preset = env.get("DTYPE", ""), env.get("CHECKPOINT", ""), env.get("PRESET", ALL)
+    quant = env.get("QUANT", ALL)
     if checkpoint:
-        cells = [("checkpoint", "", False)]
+        cells = [("checkpoint", "", False, "none" if quant == ALL else quant)]
     else:
-        cells = [c for c in CELLS if preset in (ALL, c[1])]
+        cells = [c for c in CELLS if preset in (ALL, c[1]) and quant in (ALL, c[3])]
     include = [
         {"cell": cell, "preset": p, "checkpoint": checkpoint, "random-init": str(rand).lower(), "dtype": dtype}
-        for cell, p, rand in cells
+        | {"quant": q}
+        for cell, p, rand, q in cells
     ]
     return {"include": include}
 

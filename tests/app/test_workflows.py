@@ -194,16 +194,24 @@ def test_preflight_writes_the_matrix_every_preset_one_preset_or_one_checkpoint(t
         return json.loads(read_outputs(out)["matrix"])["include"]
 
     every = cells(PRESET="all")
-    assert [(c["cell"], c["preset"], c["random-init"], c["dtype"]) for c in every] == [
-        ("tiny", "tiny", "false", "bf16"),
-        ("3b", "voxtral-mini-3b", "true", "bf16"),
+    assert [(c["cell"], c["preset"], c["random-init"], c["dtype"], c["quant"]) for c in every] == [
+        ("tiny", "tiny", "false", "bf16", "none"),
+        ("3b", "voxtral-mini-3b", "true", "bf16", "none"),
+        ("3b-int4", "voxtral-mini-3b", "true", "bf16", "int4"),
     ]
+    assert every == cells(PRESET="all", QUANT="all")  # a schedule or a pull request passes no inputs: all
     assert [c["cell"] for c in cells(PRESET="tiny", DTYPE="fp32")] == ["tiny"]
+    assert [c["cell"] for c in cells(PRESET="voxtral-mini-3b", QUANT="none")] == ["3b"]
+    assert [c["cell"] for c in cells(PRESET="all", QUANT="int4")] == ["3b-int4"]
     (one,) = cells(PRESET="all", CHECKPOINT="mistralai/Voxtral-Mini-3B-2507")
     assert one["cell"] == "checkpoint" and one["checkpoint"] == "mistralai/Voxtral-Mini-3B-2507"
+    assert one["quant"] == "none" and cells(CHECKPOINT="/ckpt", PRESET="all", QUANT="int4")[0]["quant"] == "int4"
     # every cell's digest has an output key on the export job
     outputs = load(FILES["cuda"])["jobs"]["export-artifact"]["outputs"]
     assert {f"digest-{c['cell']}" for c in [*every, one]} <= set(outputs)
+    # a preset and a quant no cell has: one line, no matrix
+    r = script("preflight.py", env={**base, "PRESET": "tiny", "QUANT": "int4"})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no cell is preset tiny with quant int4" in r.stderr
 
 
 def test_ci_installs_the_cpu_torch_wheel():
@@ -232,6 +240,7 @@ def test_cuda_dispatch_inputs_are_typed():
     assert inputs["preset"]["type"] == "choice" and {"all", "voxtral-mini-3b"} <= set(inputs["preset"]["options"])
     assert inputs["checkpoint"]["type"] == "string"
     assert inputs["dtype"]["type"] == "choice" and set(inputs["dtype"]["options"]) == {"bf16", "fp32"}
+    assert inputs["quant"]["type"] == "choice" and set(inputs["quant"]["options"]) == {"all", "none", "int4"}
     assert inputs["max-new-tokens"]["type"] == "number" and inputs["benchmark-runs"]["type"] == "number"
 
 
@@ -490,6 +499,9 @@ def test_bundle_name_follows_the_artifact_naming_rule(tmp_path):
         "bundle_name.py", "--checkpoint", "mistralai/Voxtral-Mini-3B-2507", "--device", "cuda", "--dtype", "bf16"
     )
     assert "name=voxtral-bundle-mistralai--Voxtral-Mini-3B-2507-cuda-bf16\n" in r.stdout
+    r = script("bundle_name.py", *args, "--quant", "int4")  # another artifact than the bf16 bundle's
+    assert "name=voxtral-bundle-voxtral-mini-3b-random-cuda-bf16-int4\n" in r.stdout
+    assert script("bundle_name.py", *args, "--quant", "none").stdout == script("bundle_name.py", *args).stdout
 
 
 def test_job_summary_renders_records_and_plain_objects(tmp_path):

@@ -452,3 +452,15 @@ def test_git_sha_says_dirty_when_tracked_files_differ_from_the_commit(tmp_path, 
     assert bench._git_sha(env) == head
     (tmp_path / "f.py").write_text("b\n")
     assert bench._git_sha(env) == head + "-dirty"
+
+
+def test_the_runs_peak_memory_is_the_largest_of_the_phase_peaks_and_the_last_window():
+    """On CUDA bench_methods resets the peak counter per phase: the run's peak folds those phases back in, and
+    only those (the host's RSS is another figure)."""
+    from runner.app.bench.measure import peak_memory_mb
+
+    now = peak_memory_mb("cpu")
+    assert now > 0
+    assert peak_memory_mb("cpu", {"peak_memory_text_decoder_prefill_mb": [now * 10]}) == now * 10
+    assert peak_memory_mb("cpu", {"peak_memory_audio_encoder_mb": [1.0]}) >= now  # a smaller phase: the window's
+    assert peak_memory_mb("cpu", {"peak_host_rss_mb": [now * 10], "decode_tokens_per_s": [1e9]}) < now * 10

@@ -46,7 +46,7 @@ def bench_eager(bundle: Path, manifest: Manifest, plan: Plan, tok: Tekken, clock
     e2e, info, _, _ = bench_e2e(engine, tok, plan, clock)
     res.samples.update(e2e)
     res.info.update(info)
-    res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device)]
+    res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device, res.samples)]
     return res
 
 
@@ -158,7 +158,7 @@ def bench_hf(
             ("real_time_factor", total / 1e3 / plan.audio_seconds),
         ):
             res.samples.setdefault(key, []).append(value)
-    res.samples["peak_memory_mb"] = [peak_memory_mb(device)]
+    res.samples["peak_memory_mb"] = [peak_memory_mb(device, res.samples)]
     res.info.update(generated_tokens=str(len(tokens)), tokens_match_ours=str(tokens == our_tokens).lower())
     if kind == "hf-compile":
         res.info["note"] = (

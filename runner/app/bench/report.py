@@ -54,6 +54,11 @@ FIGURES: tuple[Figure, ...] = (
     Figure("e2e_total_ms", "e2e: total", "ms", "lower", "e2e"),
     Figure("real_time_factor", "e2e: real-time factor", "x", "lower", "e2e"),
     Figure("peak_memory_mb", "peak memory", "MiB", "lower", "memory"),
+    # CUDA: each method phase's own peak (weights and caches included), the run's peak the largest of them and e2e's
+    Figure("peak_memory_audio_encoder_mb", "peak memory: audio_encoder", "MiB", "lower", "memory"),
+    Figure("peak_memory_text_decoder_prefill_mb", "peak memory: text_decoder prefill", "MiB", "lower", "memory"),
+    Figure("peak_memory_text_decoder_decode_mb", "peak memory: text_decoder decode step", "MiB", "lower", "memory"),
+    Figure("peak_memory_e2e_mb", "peak memory: generate() alone", "MiB", "lower", "memory"),
     Figure("peak_host_rss_mb", "peak host RSS, load and run (CUDA)", "MiB", "lower", "memory"),
 )
 FIGURE = {f.key: f for f in FIGURES}

@@ -257,6 +257,11 @@ def weight_files(manifest: Manifest) -> list[str]:
     return sorted({m.weights for m in manifest.methods.values() if m.weights})
 
 
+def missing_weights(bundle_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """The manifest's weight files that are not in `bundle_dir` (a random-init artifact travels without them)."""
+    return [f for f in weight_files(manifest) if not (Path(bundle_dir) / f).is_file()]
+
+
 def regenerable_weights(manifest: Manifest) -> set[str]:
     """The weight files of a random-init bundle that records how its weights were drawn (they need not travel:
     runner/export/regenerate.py draws them again and checks them against their digests); empty otherwise."""

@@ -255,10 +255,10 @@ def _run_loaded(args: argparse.Namespace, work) -> int:
 def _regenerate(bundle: Path) -> int:
     from rich.console import Console
 
-    from runner.bundle import read_manifest, weight_files
+    from runner.bundle import missing_weights, read_manifest
 
     console = Console(stderr=True, soft_wrap=True)
-    if all((bundle / f).is_file() for f in weight_files(read_manifest(bundle))):  # nothing to draw: no torch
+    if not missing_weights(bundle, read_manifest(bundle)):  # nothing to draw: no torch
         console.print(f"{bundle}: every weight file is there")
         print(bundle)
         return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runner.bundle import Manifest, read_manifest, weight_files
+from runner.bundle import Manifest, missing_weights, read_manifest
 from runner.digests import sha256_file
 from runner.errors import RunnerError
 from runner.export.checkpoint import generator_id, random_model
@@ -32,7 +32,7 @@ def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:
     a mismatch leaves nothing behind and raises RunnerError with one line."""
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
-    missing = [f for f in weight_files(manifest) if not (bundle_dir / f).is_file()]
+    missing = missing_weights(bundle_dir, manifest)
     if not missing:
         return []
     _check_can_regenerate(bundle_dir, manifest)

@@ -80,15 +80,30 @@ def reset_host_peak() -> None:
         pass  # elsewhere the peak is the process's since start (ru_maxrss)
 
 
-PHASE_PEAKS = ("audio_encoder", "text_decoder_prefill", "text_decoder_decode")  # bench_methods' per-phase peaks
+# the phases whose own peak GPU memory with_peak records (bench_methods' methods and generate())
+PHASE_PEAKS = tuple(
+    f"peak_memory_{p}_mb" for p in ("audio_encoder", "text_decoder_prefill", "text_decoder_decode", "e2e")
+)
 
 
 def peak_memory_mb(device: str, samples: dict | None = None) -> float:
-    """The peak since the last reset; with `samples`, also over bench_methods' phase peaks (each phase resets the
-    CUDA counter, so the run's peak is the largest of them and what came after)."""
+    """The peak since the last reset; with `samples`, also over the phase peaks recorded there (each phase resets
+    the CUDA counter, so the run's peak is the largest of them and what came after)."""
     now = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else host_peak_mb()
-    phases = [v[0] for k, v in (samples or {}).items() if k in {f"peak_memory_{p}_mb" for p in PHASE_PEAKS}]
-    return max([now, *phases])
+    return max([now, *(samples[k][0] for k in PHASE_PEAKS if k in (samples or {}))])
+
+
+def with_peak(clock: Clock, samples: dict, phase: str, fn):
+    """fn(); on CUDA its own peak GPU memory goes to samples[peak_memory_<phase>_mb] (weights and caches
+    included): where a long input's memory goes."""
+    if clock.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    if clock.cuda:
+        torch.cuda.synchronize()
+        samples[f"peak_memory_{phase}_mb"] = [torch.cuda.max_memory_allocated() / 2**20]
+    return result
 
 
 def host_peak_mb() -> float:
@@ -140,31 +155,27 @@ def bench_methods(
         out["preprocessor_ms"] = clock.repeat(lambda: engine.preprocess(wave), r, w)
         mel = engine.preprocess(wave)
     mel = to_encoder_dtype(mel, engine.encoder_dtype)
-
-    def phase(name: str, timed):  # on CUDA each phase's own peak: where a long input's memory goes
-        if clock.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        times = timed()
-        if clock.cuda:
-            torch.cuda.synchronize()
-            out[f"peak_memory_{name}_mb"] = [torch.cuda.max_memory_allocated() / 2**20]
-        return times
-
-    out["audio_encoder_ms"] = phase("audio_encoder", lambda: clock.repeat(lambda: engine.encode(mel), r, w))
+    out["audio_encoder_ms"] = with_peak(
+        clock, out, "audio_encoder", lambda: clock.repeat(lambda: engine.encode(mel), r, w)
+    )
     if clock.cuda and isinstance(engine, ProgramEngine) and engine.use_cuda_graph:
         out.update(_encoder_graph_replay(engine, mel, clock, r, w))
     out["token_embedding_ms"] = clock.repeat(lambda: engine.embed(ids), r, w)
     embeds, token = engine.embed(ids), ids[:, :1]
     pos = torch.arange(n, device=ids.device)
-    out["text_decoder_prefill_ms"] = phase(
-        "text_decoder_prefill", lambda: clock.repeat(lambda: engine.decode(embeds, pos), r, w, before=engine.reset)
+    out["text_decoder_prefill_ms"] = with_peak(
+        clock,
+        out,
+        "text_decoder_prefill",
+        lambda: clock.repeat(lambda: engine.decode(embeds, pos), r, w, before=engine.reset),
     )
     engine.reset()
     engine.decode(embeds, pos)
     rewind = getattr(engine, "rewind", None)
     # the step as generate() takes it (text_decoder prefills into an empty cache; a step attends to the cache)
-    out["text_decoder_decode_ms"] = phase(
+    out["text_decoder_decode_ms"] = with_peak(
+        clock,
+        out,
         "text_decoder_decode",
         lambda: clock.repeat(
             lambda: engine.decode_token(token, n), r, w, before=(lambda: rewind(n)) if rewind else None
@@ -275,15 +286,12 @@ def bench_ours(
         reset_peak_memory(plan.device)
         wave, ids = method_inputs(plan, vocab, plan.device)
         res.samples.update(bench_methods(engine, plan, clock, wave, ids))
-        if clock.cuda:  # generate()'s own peak, apart from the method phases: what a peer's e2e-only peak compares to
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        e2e, info, prompt_ids, tokens = bench_e2e(engine, tok, plan, clock)
+        # generate()'s own peak, apart from the method phases: what a peer's e2e-only peak compares to
+        e2e, info, prompt_ids, tokens = with_peak(
+            clock, res.samples, "e2e", lambda: bench_e2e(engine, tok, plan, clock)
+        )
         res.samples.update(e2e)
         res.info.update(info, cuda_graph=str(engine.use_cuda_graph).lower())
-        if clock.cuda:
-            torch.cuda.synchronize()
-            res.samples["peak_memory_e2e_mb"] = [torch.cuda.max_memory_allocated() / 2**20]
         # batch 1's: before the batched passes
         res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device, res.samples)]
         if plan.device == "cuda":

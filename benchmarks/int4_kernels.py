@@ -141,6 +141,11 @@ def nbytes(lin: QuantLinear) -> int:
     return sum(t.numel() * t.element_size() for t in (lin.qweight, lin.scales, lin.offsets))
 
 
+def rate(ms: float, nbytes: int, calls: int, prefix: str = "") -> dict:
+    """A graph of `calls` kernels over `nbytes` of weights in `ms`: µs per call and the bandwidth it reached."""
+    return {f"{prefix}us_per_call": ms * 1e3 / calls, f"{prefix}tb_s": nbytes / ms / 1e9}
+
+
 def part_check(cs, results) -> None:
     out = results["check"] = {}
     for kind, (launch, launch_bf16, ref, lins, _ws) in cs.items():
@@ -176,10 +181,8 @@ def part_gemv(cs, results, grid) -> None:
             "n": n,
             "k": k,
             "best": cfg,
-            "us_per_call": ms * 1e3 / len(lins),
-            "tb_s": b / ms / 1e9,
-            "bf16_us_per_call": bf16_ms * 1e3 / len(ws),
-            "bf16_tb_s": wb / bf16_ms / 1e9,
+            **rate(ms, b, len(lins)),
+            **rate(bf16_ms, wb, len(ws), "bf16_"),
             "top5": [(round(t * 1e3 / len(lins), 2), c) for t, c in rows[:5]],
         }
         o = out[kind]
@@ -189,32 +192,28 @@ def part_gemv(cs, results, grid) -> None:
     results["kernels"] = compiled_kernels()
 
 
+def int4pack_operands(lin: QuantLinear, high: int) -> tuple:
+    """(packed codes, group size, scales_and_zeros): `_weight_int4pack_mm`'s arguments after x, in its order;
+    `high` is the column (0: even, 1: odd) each byte holds in its high nibble."""
+    codes, sz = tinygemm_operands(lin)
+    b = (codes[:, high::2] << 4 | codes[:, 1 - high :: 2]).to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(b, 8), lin.group_size, sz
+
+
 def part_tinygemm(cs, results) -> None:
     out = results["tinygemm"] = {}
     g = torch.Generator(device=DEV).manual_seed(2)
+    mm = torch.ops.aten._weight_int4pack_mm
     for kind, (_launch, _launch_bf16, _ref, lins, ws) in cs.items():
         k = lins[0].in_features
         x = torch.randn(1, k, generator=g, device=DEV).to(BF16)
-        first_codes, first_sz = tinygemm_operands(lins[0])
         want = x.double() @ lins[0].dequantize(torch.float32).double().T
-        err = {}
-        for name, hi, lo in (("even-high", 0, 1), ("odd-high", 1, 0)):  # which nibble of a byte holds column 2j
-            b = (first_codes[:, hi::2] << 4 | first_codes[:, lo::2]).to(torch.uint8)
-            got = torch.ops.aten._weight_int4pack_mm(
-                x, torch.ops.aten._convert_weight_to_int4pack(b, 8), lins[0].group_size, first_sz
-            )
-            err[name] = rel(got, want)
+        orders = {"even-high": 0, "odd-high": 1}  # which nibble of a byte holds column 2j: found by the error
+        err = {o: rel(mm(x, *int4pack_operands(lins[0], h)), want) for o, h in orders.items()}
         order = min(err, key=err.get)
-        hi, lo = (0, 1) if order == "even-high" else (1, 0)
-        ops = []
-        for lin in lins:
-            codes, sz = tinygemm_operands(lin)
-            packed = torch.ops.aten._convert_weight_to_int4pack(
-                (codes[:, hi::2] << 4 | codes[:, lo::2]).to(torch.uint8), 8
-            )
-            ops.append((packed, sz, lin.group_size))
-        ms = graph_ms(lambda ops=ops, x=x: [torch.ops.aten._weight_int4pack_mm(x, p, gs, sz) for p, sz, gs in ops])
-        b = sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, sz, _ in ops)
+        ops = [int4pack_operands(lin, orders[order]) for lin in lins]
+        ms = graph_ms(lambda ops=ops, x=x: [mm(x, *op) for op in ops])
+        b = sum(p.numel() * p.element_size() + sz.numel() * sz.element_size() for p, _, sz in ops)
         x1 = x[0]
         bf16_ms = graph_ms(lambda ws=ws, x1=x1: [K._launch_gemv(x1, w) for w in ws])
         wb = sum(w.numel() * w.element_size() for w in ws)
@@ -225,10 +224,8 @@ def part_tinygemm(cs, results) -> None:
             "vs_float64": err[order],
             "nibble_order": order,
             "errors_by_order": err,
-            "us_per_call": ms * 1e3 / len(ops),
-            "tb_s": b / ms / 1e9,
-            "bf16_us_per_call": bf16_ms * 1e3 / len(ws),
-            "bf16_tb_s": wb / bf16_ms / 1e9,
+            **rate(ms, b, len(ops)),
+            **rate(bf16_ms, wb, len(ws), "bf16_"),
             "ours_int4_us_per_call": ours,
         }
         o = out[kind]

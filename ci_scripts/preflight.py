@@ -38,6 +38,11 @@ def _whole(value: str, name: str, lo: int, hi: int) -> str | None:
     return None
 
 
+def preset_cells(preset: str, quant: str) -> list[tuple]:
+    """The CELLS a dispatch's preset and quant (either may be "all") pick."""
+    return [c for c in CELLS if preset in (ALL, c[1]) and quant in (ALL, c[3])]
+
+
 def problems(env: Mapping[str, str]) -> list[str]:
     out = []
     if not env.get("CUDA_RUNNER_LABEL", "").strip():
@@ -55,11 +60,7 @@ def problems(env: Mapping[str, str]) -> list[str]:
     quant, preset = env.get("QUANT", ALL), env.get("PRESET", "")
     if quant not in (ALL, *QUANTS):
         out.append(f"quant {quant!r}: choose from {', '.join((ALL, *QUANTS))}")
-    elif (
-        not checkpoint
-        and preset in (*PRESETS, ALL)
-        and not any(preset in (ALL, c[1]) and quant in (ALL, c[3]) for c in CELLS)
-    ):
+    elif not checkpoint and preset in (*PRESETS, ALL) and not preset_cells(preset, quant):
         have = ", ".join(f"{c[1]} {c[3]}" for c in CELLS)
         out.append(f"no cell is preset {preset} with quant {quant}: the cells are {have}")
     for name, (lo, hi) in (("MAX_NEW_TOKENS", MAX_NEW_TOKENS), ("BENCHMARK_RUNS", BENCHMARK_RUNS)):
@@ -76,7 +77,7 @@ def matrix(env: Mapping[str, str]) -> dict:
     if checkpoint:
         cells = [("checkpoint", "", False, "none" if quant == ALL else quant)]
     else:
-        cells = [c for c in CELLS if preset in (ALL, c[1]) and quant in (ALL, c[3])]
+        cells = preset_cells(preset, quant)
     include = [
         {"cell": cell, "preset": p, "checkpoint": checkpoint, "random-init": str(rand).lower(), "dtype": dtype}
         | {"quant": q}

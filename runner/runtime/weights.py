@@ -69,8 +69,14 @@ def load_weights(
                 slots.put(slot)
 
         with ThreadPoolExecutor(readers, thread_name_prefix="weights") as pool:
-            for f in [pool.submit(one, c) for c in chunks]:
-                f.result()
+            futures = [pool.submit(one, c) for c in chunks]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:  # a failed read or Ctrl-C: the chunks not started are not read
+                for f in futures:
+                    f.cancel()
+                raise
     finally:
         for s in made:
             s.wait()

@@ -12,7 +12,7 @@
 #            $LONG_COMPARE (default hf-compile) -> bench_long.{json,md,log}
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
-#   int4     benchmarks/int4_kernels.py $INT4_ARGS: the int4 GEMVs against float64 and the bf16 kernel, the step, agreement
+#   int4     benchmarks/int4_kernels.py $INT4_ARGS: tinygemm against float64 and the bf16 kernels, the step, agreement
 #   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up,
 #            the TTFT of the process's first file and the process's peak RSS -> firstrun.md
 #   weights  benchmarks/load_weights.py: 3B-sized weights files onto the GPU by our streamed loader, safetensors'
@@ -70,7 +70,7 @@ T_WEIGHTS=${T_WEIGHTS:-240}
 T_FIRSTRUN=${T_FIRSTRUN:-300}
 T_SMALL24B=${T_SMALL24B:-560}
 T_THROUGHPUT=${T_THROUGHPUT:-240}
-INT4_ARGS=${INT4_ARGS:---parts check,gemv,step,agree}  # int4_kernels.py's flags (--quick: one config per kind)
+INT4_ARGS=${INT4_ARGS:---parts check,gemv,step,agree}  # int4_kernels.py's flags
 TP_FILES=${TP_FILES:-64}
 TP_BATCHES=${TP_BATCHES:-1,8,32}
 BUNDLE_24B=${BUNDLE_24B:-artifacts/24b}

@@ -57,7 +57,7 @@ def add_export(p: argparse.ArgumentParser) -> None:
         "--quant",
         choices=["none", "int4"],
         default="none",
-        help="int4: the decoder's linear layers weight-only int4 (groups of 128, a scale and an offset each)",
+        help="int4: the decoder's linear layers weight-only int4 (groups of 128, a scale and a zero each, in tinygemm's layout)",
     )
     p.add_argument(
         "--max-audio-chunks",

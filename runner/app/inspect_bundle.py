@@ -82,7 +82,8 @@ def quant_line(quant: dict | None) -> str:
         return "weights: unquantised (the bundle's dtype)"
     return (
         f"weights: {quant['scheme']} weight-only, groups of {quant['group_size']}, "
-        f"{'symmetric' if quant['symmetric'] else 'asymmetric (scale + offset)'} in {quant['scale_dtype']}, "
+        f"{'symmetric' if quant['symmetric'] else 'asymmetric (scale + zero)'} in {quant['scale_dtype']}, "
+        f"{quant.get('layout', 'planes')} layout, "
         f"{quant['n_linear']} linear layers ({', '.join(quant['modules'])}); the rest unquantised"
     )
 

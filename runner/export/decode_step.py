@@ -5,13 +5,16 @@ method is the same decoder (the same parameters: the runtime binds one copy of t
 both methods) exported for exactly one token. On CUDA it runs the hand-written kernels of `kernels.py`: RMSNorm
 folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and one attention kernel per layer
 (RoPE, the cache write, attention over the valid positions only). A linear layer quantised to int4
-(`QuantLinear`, `--quant int4`) runs the same epilogues through the int4 GEMVs of `kernels_int4.py`. On CPU it is
-the plain decoder at S = 1.
+(`QuantLinear`, `--quant int4`) is aten's `_weight_int4pack_mm` (tinygemm, on the bundle's buffers as stored), its
+RMSNorm, residual add and SiLU(gate) * up plain torch around it, which Inductor fuses into one kernel each: our own
+int4 GEMVs were instruction-bound, slower than tinygemm at every 3B shape (benchmarks/NOTES.md 33, 36, 47). On
+CPU it is the plain decoder at S = 1.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runner.models.quant_linear import QuantLinear
@@ -26,7 +29,7 @@ class DecodeStep(nn.Module):
     def __init__(self, c: TextConfig, lm: LanguageModel, pdl: bool = False):
         """`pdl`: the kernels wait for the kernel before them (programmatic dependent launch; sm_90+)."""
         super().__init__()
-        from runner.export import kernels, kernels_int4  # noqa: F401  (register torch.ops.voxtral.*; need Triton)
+        from runner.export import kernels  # noqa: F401  (registers torch.ops.voxtral.*; needs Triton)
 
         self.c, self.pdl = c, pdl
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
@@ -54,11 +57,15 @@ class DecodeStep(nn.Module):
     def _rms_gemv(self, x, norm: RMSNorm, lin: nn.Module, glu: bool = False, out_f32: bool = False) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
         if isinstance(lin, QuantLinear):
-            return ops.int4_rms_gemv(x, norm.weight, lin.qweight, lin.scales, lin.offsets, norm.eps, glu, out_f32, pdl)
+            y = lin.tinygemm(norm(x).view(1, -1)).view(-1)
+            if glu:
+                gate, up = y.chunk(2)
+                return F.silu(gate) * up
+            return y.float() if out_f32 else y
         return ops.rms_gemv(x, norm.weight, lin.weight, norm.eps, glu, out_f32, pdl)
 
     def _gemv_add(self, x, lin: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
         if isinstance(lin, QuantLinear):
-            return ops.int4_gemv_add(x, lin.qweight, lin.scales, lin.offsets, residual, pdl)
+            return residual + lin.tinygemm(x.view(1, -1)).view(-1)
         return ops.gemv_add(x, lin.weight, residual, pdl)

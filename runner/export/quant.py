@@ -1,22 +1,21 @@
 """Weight-only int4 quantisation at export (`--quant int4`): round-to-nearest, group-wise, asymmetric.
 
-- **Groups of 128 input columns** (`GROUP_SIZE`; a layer whose width 128 does not divide takes the largest power of
-  two that does, `quant_linear.group_for`): a scale and an offset per 128 weights cost 4 bytes per 64 bytes of
-  codes in bf16 (6%), and 128 is what int4 LLM checkpoints commonly use.
-- **Asymmetric (min-max), not symmetric:** each group's [min, max] maps onto all 16 codes, W = q * scale + offset.
-  Symmetric codes waste part of the range whenever a group's min and max differ in magnitude, for no saving: the
-  GEMV applies an offset per group as one multiply-add with the sum of x over the group, shared by the program's
-  rows, so the inner loop is the same as symmetric's; the offset adds 2 bytes per group.
-- **Scales and offsets in the model's dtype** (bf16 on CUDA, fp32 on CPU); the codes are chosen against the
-  rounded scale and offset, so the stored values are exactly what the dequantised reference multiplies.
+- **Groups of 128 input columns** (`GROUP_SIZE`; a layer whose width 128 does not divide takes the largest of
+  tinygemm's 32, 64 that does, `quant_linear.group_for`): a scale and a zero per 128 weights cost 4 bytes per 64
+  bytes of codes in bf16 (6%), and 128 is what int4 LLM checkpoints commonly use.
+- **Asymmetric (min-max), not symmetric:** each group's [min, max] maps onto all 16 codes, W = (q - 8) * scale +
+  zero (tinygemm's form: the zero is the group's middle). Symmetric codes waste part of the range whenever a
+  group's min and max differ in magnitude, for no saving in the kernel; the zero adds 2 bytes per group.
+- **Scales and zeros in the model's dtype** (bf16 on CUDA, fp32 on CPU); the codes are chosen against the
+  rounded scale and zero, so the stored values are exactly what the dequantised reference multiplies.
 - **What is quantised:** the decoder's linear layers, which the decode step streams once per token (Voxtral's
   qkv/o/gate_up/down and lm_head: 3.6 of its 3.8 GB per token in bf16). What is not: the token embedding (a
   gather of one row per token), the audio encoder and projector (run once per 30 s, compute-bound; int4 saves
   them nothing and costs accuracy), norms, Whisper's tied output projection (the embedding itself) and its
   cross-attention K/V projections (run in the audio encoder).
 
-The layout (planes of nibbles, int32 words) is in `runner/models/quant_linear.py`; the kernels that read it in
-`runner/export/kernels_int4.py`.
+The layout (tinygemm's, so the CUDA decode step calls aten's `_weight_int4pack_mm` on it) is in
+`runner/models/quant_linear.py`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 
 from runner.errors import ExportError
-from runner.models.quant_linear import NIBBLES, QuantLinear, group_for, quantized_names, swap_module, unpack
+from runner.models.quant_linear import LAYOUT, QuantLinear, check_shape, pack, quantized_names, swap_module
 
 GROUP_SIZE = 128
 LEVELS = 15  # codes 0..15
@@ -42,52 +41,29 @@ PATTERNS = {
 }
 
 
-def pack(q: torch.Tensor, group: int) -> torch.Tensor:
-    """Codes int [N, K] in [0, 15] -> int32 [N, K / 8] in the planes layout (quant_linear's docstring)."""
-    n, k = q.shape
-    planes = q.to(torch.int64).view(n, k // group, NIBBLES, group // NIBBLES)  # [N, groups, plane, word]
-    shifts = torch.arange(0, 4 * NIBBLES, 4, device=q.device).view(1, 1, NIBBLES, 1)
-    words = (planes << shifts).sum(dim=2)  # the nibbles are disjoint bits: the sum is their OR
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(n, -1)  # as two's complement
-
-
-def quantize(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (codes int32 [N, K], scales, offsets [N, K / group] in dtype); min-max per group."""
+def quantize(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (codes int32 [N, K], scales_and_zeros [K / group, N, 2] in dtype); min-max per group."""
     n, k = w.shape
     wg = w.float().reshape(n, k // group, group)
     lo, hi = wg.amin(dim=2), wg.amax(dim=2)
     scales = ((hi - lo) / LEVELS).clamp_min(torch.finfo(torch.float32).tiny).to(dtype)  # a constant group: any scale
-    offsets = lo.to(dtype)
-    s, o = scales.float()[:, :, None], offsets.float()[:, :, None]
-    q = torch.round((wg - o) / s).clamp_(0, LEVELS).to(torch.int32)
-    return q.reshape(n, k), scales, offsets
+    zeros = (lo + 8 * scales.float()).to(dtype)  # code 0 is lo: (0 - 8) * scale + zero
+    s, z = scales.float()[:, :, None], zeros.float()[:, :, None]
+    q = torch.round((wg - z) / s + 8).clamp_(0, LEVELS).to(torch.int32)
+    return q.reshape(n, k), torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
 
 
 def quantize_linear(lin: nn.Linear, group_size: int = GROUP_SIZE) -> QuantLinear:
     """An nn.Linear -> its QuantLinear (same device; scales in the weight's dtype), bias kept as it is."""
     w = lin.weight.detach()
     out = QuantLinear(lin.in_features, lin.out_features, group_size, lin.bias is not None, w.dtype, w.device)
-    q, scales, offsets = quantize(w, out.group_size, w.dtype)
+    q, sz = quantize(w, out.group_size, w.dtype)
     with torch.no_grad():
-        out.qweight.copy_(pack(q, out.group_size))
-        out.scales.copy_(scales)
-        out.offsets.copy_(offsets)
+        out.qweight.copy_(pack(q))
+        out.scales_and_zeros.copy_(sz)
         if lin.bias is not None:
             out.bias.copy_(lin.bias)
     return out
-
-
-def tinygemm_operands(lin: QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A QuantLinear as aten's int4pack matmuls take it (`_weight_int4pack_mm`: tinygemm's tensor-core kernels on
-    CUDA; `..._for_cpu` its CPU twin): the codes int32 [N, K] in column order, and scales_and_zeros
-    [K / G, N, 2] in the scales' dtype. Those kernels dequantise (q - 8) * scale + zero, so zero = offset + 8 *
-    scale, rounded once to the scales' dtype (in bf16 that rounding is the format's only loss against ours).
-    The packing is the caller's: `_convert_weight_to_int4pack` takes the codes two to a byte on CUDA,
-    `..._for_cpu` as they are."""
-    s, o = lin.scales.float(), lin.offsets.float()
-    zeros = o + 8 * s
-    sz = torch.stack([s, zeros], dim=-1).transpose(0, 1).contiguous().to(lin.scales.dtype)
-    return unpack(lin.qweight, lin.group_size), sz
 
 
 def apply_quant(model: nn.Module, family: str, quant: str, group_size: int = GROUP_SIZE) -> dict | None:
@@ -105,7 +81,7 @@ def apply_quant(model: nn.Module, family: str, quant: str, group_size: int = GRO
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
             try:
-                group_for(lin.in_features, group_size)
+                check_shape(lin.in_features, lin.out_features, group_size)
             except ValueError as e:
                 raise ExportError(f"--quant int4: {name}: {e}") from None
             swap_module(model, name, quantize_linear(lin, group_size))
@@ -113,7 +89,8 @@ def apply_quant(model: nn.Module, family: str, quant: str, group_size: int = GRO
         "scheme": "int4",
         "group_size": group_size,
         "symmetric": False,
-        "scale_dtype": str(next(model.get_submodule(n) for n in names).scales.dtype).removeprefix("torch."),
+        "layout": LAYOUT,
+        "scale_dtype": str(next(model.get_submodule(n) for n in names).scales_and_zeros.dtype).removeprefix("torch."),
         "modules": patterns,
         "n_linear": len(names),
     }

@@ -40,7 +40,6 @@ SOURCE_FILES = (
     "export/voxtral.py",
     "export/decode_step.py",
     "export/kernels.py",
-    "export/kernels_int4.py",
     "export/kernels_prefill.py",
     "export/kernels_batch.py",
     "export/quant.py",

@@ -1,18 +1,19 @@
-"""A linear layer whose weight is stored as 4-bit integers, group-wise along its input dimension (weight-only int4).
+"""A linear layer whose weight is stored as 4-bit integers, group-wise along its input dimension (weight-only int4),
+in the layout of aten's `_weight_int4pack_mm` (tinygemm's tensor-core int4 matmul, shipped in torch with an
+AOTInductor C shim), so the CUDA decode step calls that kernel on the bundle's buffers as they are.
 
-Storage, for a weight W [N, K] in groups of G consecutive input columns (G a power of two, 8 <= G, G | K):
-    qweight  int32 [N, K / 8]   eight 4-bit codes q in [0, 15] per word
-    scales   float [N, K / G]   (the model's dtype: bf16 on the CUDA bundles, fp32 on CPU)
-    offsets  float [N, K / G]
-    W[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G]       (asymmetric: min-max over each group)
+Storage, for a weight W [N, K] in groups of G consecutive input columns (G in 32..256, G | K; N a multiple of 8):
+    qweight           int32 [N / 8, K / (T * 16), 32, T / 2]   tinygemm's m16n8k16 "B" layout, T inner k-tiles
+    scales_and_zeros  float [K / G, N, 2]                       (the model's dtype: bf16 on the CUDA bundles)
+    W[n, k] = (q[n, k] - 8) * scale[k // G, n] + zero[k // G, n]      (asymmetric: min-max over each group)
 
-Word order ("planes"): the G / 8 words of group g hold its G columns as 8 planes of G / 8 columns each; nibble i
-(bits 4i..4i+3) of word j holds column g*G + i*(G/8) + j. A GEMV then multiplies each plane by a contiguous
-slice of x, and a GEMM by a contiguous slice of X's columns, without interleaving nibbles
-(runner/export/kernels_int4.py). `runner/export/quant.py` quantises and packs; this module only unpacks.
+The layout (`pack` / `unpack`, pure torch, any device): word [n8, kt, lane, j] holds, for the tensor-core lane
+`lane` = 4 r + c, row n8 * 8 + r, and the pair of 16-column k-tiles kt * T + 2 j and + 1, eight codes: nibble
+4 lo + 2 tile + half is column 16 tile + 8 half + 2 c + lo of that pair. It is what aten's CUDA
+`_convert_weight_to_int4pack` writes (tests/cuda compares them bit for bit; tests/export mirrors its loops).
 
-Here the weight is dequantised in plain torch (the CPU methods and the CUDA prefill, where Inductor fuses the
-unpacking into one kernel ahead of the matmul); the CUDA decode step calls the int4 GEMV kernels on these buffers.
+Here the weight is dequantised in plain torch (the CPU methods and every prefill, where Inductor fuses the
+unpacking into one kernel ahead of the matmul: tinygemm is for small M); the CUDA decode step calls tinygemm.
 """
 
 from __future__ import annotations
@@ -23,35 +24,75 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NIBBLES = 8  # 4-bit codes per int32 word
+from runner.errors import BundleError
+
+LAYOUT = "tinygemm"  # the manifest's quant record names it: older int4 bundles stored another layout
+GROUPS = (32, 64, 128, 256)  # what tinygemm's kernels take
+N_TILE, K_TILE = 8, 16
 
 
 def group_for(in_features: int, group_size: int) -> int:
-    """The group size a layer of `in_features` inputs gets: `group_size`, or the largest power of two below it
-    that divides in_features (at least 8, one word per plane) — the tiny models' 64-wide layers get 64."""
-    g = group_size
-    while g >= NIBBLES and in_features % g:
-        g //= 2
-    if g < NIBBLES:
-        raise ValueError(f"int4: {in_features} input features have no power-of-two group of at least {NIBBLES}")
-    return g
+    """The group size a layer of `in_features` inputs gets: `group_size`, or the largest smaller one tinygemm takes
+    that divides in_features (the tiny models' 64-wide layers get 64)."""
+    for g in sorted((g for g in GROUPS if g <= group_size), reverse=True):
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"int4: {in_features} input features have no group of {'/'.join(map(str, GROUPS))} dividing them")
 
 
-def unpack(qweight: torch.Tensor, group: int) -> torch.Tensor:
-    """int32 [N, K / 8] -> the 4-bit codes as int32 [N, K], in column order (the planes' inverse)."""
-    n, words = qweight.shape
-    wpg = group // NIBBLES
-    w = qweight.view(n, words // wpg, 1, wpg)  # [N, groups, 1, words per group]
-    shifts = torch.arange(0, 4 * NIBBLES, 4, dtype=torch.int32, device=qweight.device).view(1, 1, NIBBLES, 1)
-    return ((w >> shifts) & 0xF).reshape(n, words * NIBBLES)  # [N, groups, plane, word] -> columns
+def inner_k_tiles(in_features: int) -> int:
+    """tinygemm's inner k-tiles for K: the most (8: 16-byte loads) whose 16-column tiles divide K."""
+    for t in (8, 4, 2):
+        if in_features % (t * K_TILE) == 0:
+            return t
+    raise ValueError(f"int4: {in_features} input features are not a multiple of {2 * K_TILE}")
 
 
-def dequantize(qweight, scales, offsets, dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] in `dtype`: q * scale + offset computed in float32 (one rounding, to dtype, at the end)."""
-    n, groups = scales.shape
-    q = unpack(qweight, qweight.shape[1] * NIBBLES // groups).view(n, groups, -1).float()
-    w = q * scales.float()[:, :, None] + offsets.float()[:, :, None]
-    return w.reshape(n, -1).to(dtype)
+def check_shape(in_features: int, out_features: int, group_size: int) -> None:
+    """Raise ValueError when tinygemm's layout cannot hold a weight of this shape."""
+    group_for(in_features, group_size)
+    inner_k_tiles(in_features)
+    if out_features % N_TILE:
+        raise ValueError(f"int4: {out_features} output features are not a multiple of {N_TILE}")
+
+
+def _tiled(n: int, k: int) -> tuple[int, ...]:
+    """[N, K] as (n8, r, kt, j, tile, half, c, lo): row n8 * 8 + r, column kt*T*16 + j*32 + tile*16 + half*8 + 2c + lo."""
+    t = inner_k_tiles(k)
+    return n // N_TILE, N_TILE, k // (t * K_TILE), t // 2, 2, 2, 4, 2
+
+
+# nibble 4 lo + 2 tile + half of a word (module docstring); as dims of `_tiled`: (n8, kt, r, c, j, lo, tile, half)
+_TO_WORDS = (0, 2, 1, 6, 3, 7, 4, 5)
+_FROM_WORDS = (0, 2, 1, 4, 6, 7, 3, 5)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Codes int [N, K] in [0, 15] -> int32 words [N / 8, K / (T * 16), 32, T / 2] (the module docstring)."""
+    n, k = q.shape
+    nib = q.to(torch.int64).view(_tiled(n, k)).permute(_TO_WORDS)  # (n8, kt, r, c, j, lo, tile, half)
+    nib = nib.reshape(n // N_TILE, k // (inner_k_tiles(k) * K_TILE), 32, inner_k_tiles(k) // 2, 8)
+    words = (nib << torch.arange(0, 32, 4, device=q.device)).sum(-1)  # disjoint bits: the sum is their OR
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as two's complement
+
+
+def unpack(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 words [N / 8, K / (T * 16), 32, T / 2] -> the codes as int32 [N, K] (pack's inverse)."""
+    n8, kt, _, j = qweight.shape
+    n, k = n8 * N_TILE, kt * j * 2 * K_TILE
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    nib = (qweight[..., None] >> shifts) & 0xF  # [n8, kt, 32, j, 8]
+    t = _tiled(n, k)
+    nib = nib.view(t[0], t[2], t[1], t[6], t[3], t[7], t[4], t[5])  # (n8, kt, r, c, j, lo, tile, half)
+    return nib.permute(_FROM_WORDS).reshape(n, k)
+
+
+def dequantize(qweight, scales_and_zeros, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype`: (q - 8) * scale + zero in float32 (one rounding, to dtype, at the end)."""
+    groups, n, _ = scales_and_zeros.shape
+    q = unpack(qweight).view(n, groups, -1).float() - 8
+    sz = scales_and_zeros.float().transpose(0, 1)  # [N, groups, 2]
+    return (q * sz[:, :, 0, None] + sz[:, :, 1, None]).reshape(n, -1).to(dtype)
 
 
 class QuantLinear(nn.Module):
@@ -59,21 +100,29 @@ class QuantLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group_size: int, bias: bool, dtype, device=None):
         super().__init__()
+        check_shape(in_features, out_features, group_size)
         self.in_features, self.out_features = in_features, out_features
         self.group_size = group_for(in_features, group_size)
-        groups = in_features // self.group_size
-        self.register_buffer(
-            "qweight", torch.zeros(out_features, in_features // NIBBLES, dtype=torch.int32, device=device)
-        )
-        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=dtype, device=device))
-        self.register_buffer("offsets", torch.zeros(out_features, groups, dtype=dtype, device=device))
+        t = inner_k_tiles(in_features)
+        words = (out_features // N_TILE, in_features // (t * K_TILE), 32, t // 2)
+        self.register_buffer("qweight", torch.zeros(words, dtype=torch.int32, device=device))
+        sz = (in_features // self.group_size, out_features, 2)
+        self.register_buffer("scales_and_zeros", torch.zeros(sz, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.qweight, self.scales, self.offsets, dtype or self.scales.dtype)
+        return dequantize(self.qweight, self.scales_and_zeros, dtype or self.scales_and_zeros.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def tinygemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] through tinygemm (small M: the decode step) when x is bf16 on CUDA; otherwise (the
+        CPU, through Triton's interpreter in the tests; fp32) the dequantised matmul, which tinygemm computes."""
+        if not (x.is_cuda and x.dtype == torch.bfloat16 and self.scales_and_zeros.dtype == torch.bfloat16):
+            return self(x)
+        y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.group_size, self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group={self.group_size}"
@@ -93,14 +142,22 @@ def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def use_quant_layout(model: nn.Module, patterns: list[str], group_size: int) -> list[str]:
-    """Replace the matching nn.Linear modules by empty QuantLinear ones of the same shapes (on the same device,
-    meta included), ready for a bundle's state dict: how the eager reference rebuilds an int4 model."""
-    names = quantized_names(model, patterns)
+def use_quant_layout(model: nn.Module, record: dict) -> list[str]:
+    """Replace the modules the manifest's quant `record` names by empty QuantLinear ones of the same shapes (on the
+    same device, meta included), ready for a bundle's state dict: how the eager reference rebuilds an int4 model.
+    A record of another layout (int4 bundles exported before this one) raises BundleError: export it again."""
+    if record.get("layout") != LAYOUT:
+        raise BundleError(
+            f"this int4 bundle stores its codes in the {record.get('layout', 'planes')!r} layout, not {LAYOUT!r} "
+            "(exported by an older runner): export it again"
+        )
+    names = quantized_names(model, record["modules"])
     for name in names:
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
             w = lin.weight
-            new = QuantLinear(lin.in_features, lin.out_features, group_size, lin.bias is not None, w.dtype, w.device)
+            new = QuantLinear(
+                lin.in_features, lin.out_features, record["group_size"], lin.bias is not None, w.dtype, w.device
+            )
             swap_module(model, name, new)
     return names

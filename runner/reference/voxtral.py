@@ -30,7 +30,7 @@ def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtra
             state["language_model." + k if k.startswith("lm_head.") else pre + k] = v
     model = empty_model(lambda: Voxtral(config))  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
     if quant := manifest.model.get("quant"):  # an int4 bundle: its linears as QuantLinear (packed codes, scales)
-        use_quant_layout(model, quant["modules"], quant["group_size"])
+        use_quant_layout(model, quant)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     load_state(model, state, source=str(bundle_dir), assign=True)
     model.eval()

@@ -32,7 +32,7 @@ def whisper_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Whis
         state.update({f"decoder.{k}": v for k, v in files[m].items()})
     model = empty_model(lambda: Whisper(config))
     if quant := manifest.model.get("quant"):  # an int4 bundle: its decoder linears as QuantLinear
-        use_quant_layout(model, quant["modules"], quant["group_size"])
+        use_quant_layout(model, quant)
     load_state(model, state, source=str(bundle_dir), assign=True)
     model = model.to(device=device, dtype=dtype).eval()
     model.setup_caches(manifest.model["max_seq_len"], dtype)

@@ -13,19 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.app.inspect_bundle import quant_line
-from runner.errors import ExportError
+from runner.errors import BundleError, ExportError
 from runner.export.pipeline import ExportOptions, cache_key
-from runner.export.quant import (
-    GROUP_SIZE,
-    LEVELS,
-    PATTERNS,
-    apply_quant,
+from runner.export.quant import GROUP_SIZE, LEVELS, PATTERNS, apply_quant, quantize, quantize_linear
+from runner.models.quant_linear import (
+    LAYOUT,
+    QuantLinear,
+    check_shape,
+    dequantize,
+    group_for,
+    inner_k_tiles,
     pack,
-    quantize,
-    quantize_linear,
-    tinygemm_operands,
+    unpack,
+    use_quant_layout,
 )
-from runner.models.quant_linear import QuantLinear, dequantize, group_for, unpack, use_quant_layout
 from runner.models.state import load_state
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_config import preset
@@ -36,35 +37,62 @@ def codes(n, k, seed=0):
     return torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("group", [8, 16, 64, 128])
-def test_pack_unpack_round_trip(group):
-    q = codes(5, 256)
+def atens_cuda_packing(q: torch.Tensor, inner: int) -> torch.Tensor:
+    """aten's CUDA `_convert_weight_to_int4pack` (int4mm.cu, `matrix_to_m16n8k16_Bint4_layout`) written out loop
+    by loop, for the CPU: its input is the codes two to a byte, the even column in the high nibble (gpt-fast's
+    `w[:, ::2] << 4 | w[:, 1::2]`); one lane t of a warp per (n-tile, outer k-tile) writes T / 2 words."""
+    n, k = q.shape
+    b = (q[:, ::2] << 4 | q[:, 1::2]).tolist()
+    out = torch.zeros(n // 8, k // (inner * 16), 32, inner // 2, dtype=torch.int64)
+    for n_tile in range(n // 8):
+        for k_outer in range(k // (inner * 16)):
+            for t in range(32):
+                for inner_k in range(0, inner, 2):
+                    n0 = n_tile * 8 + t // 4
+                    base = (k_outer * inner + inner_k) * 16 // 2
+                    ks = [base + t % 4, base + t % 4 + 4, base + 8 + t % 4, base + 8 + t % 4 + 4]
+                    v = [b[n0][j] for j in ks]
+                    word = 0
+                    for i in range(4):
+                        word |= (v[i] & 0xF) << (16 + 4 * i) | (v[i] >> 4) << (4 * i)
+                    out[n_tile, k_outer, t, inner_k // 2] = word
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+@pytest.mark.parametrize("n,k", [(8, 32), (16, 64), (24, 128), (8, 384)])
+def test_pack_is_atens_cuda_layout_and_unpack_its_inverse(n, k):
+    q = codes(n, k)
     q[0, :16] = 15  # the top nibble set: words that are negative as int32
-    packed = pack(q, group)
-    assert packed.dtype == torch.int32 and packed.shape == (5, 256 // 8)
+    packed = pack(q)
+    assert packed.dtype == torch.int32 and packed.shape == (
+        n // 8,
+        k // (inner_k_tiles(k) * 16),
+        32,
+        inner_k_tiles(k) // 2,
+    )
+    assert torch.equal(packed, atens_cuda_packing(q, inner_k_tiles(k)))
     assert (packed < 0).any()
-    assert torch.equal(unpack(packed, group), q)
-
-
-def test_planes_layout_word_j_nibble_i_is_column_i_times_words_plus_j():
-    """The layout the kernels rely on (quant_linear's docstring): within a group of G columns, nibble i of word j
-    holds column i * G/8 + j."""
-    group, q = 32, torch.zeros(1, 64, dtype=torch.int32)
-    q[0, 32 + 3 * 4 + 1] = 9  # group 1, plane 3, word 1
-    words = pack(q, group)[0]
-    assert words.tolist() == [0] * 4 + [0, 9 << 12, 0, 0]
+    assert torch.equal(unpack(packed), q)
 
 
 @pytest.mark.parametrize(
-    "k,want", [(3072, 128), (4096, 128), (8192, 128), (384, 128), (1536, 128), (64, 64), (96, 32), (40, 8)]
+    "k,want", [(3072, 128), (4096, 128), (8192, 128), (384, 128), (1536, 128), (64, 64), (96, 32), (160, 32)]
 )
-def test_group_size_is_128_or_the_largest_power_of_two_dividing_the_width(k, want):
+def test_group_size_is_128_or_the_largest_tinygemm_group_dividing_the_width(k, want):
     assert group_for(k, GROUP_SIZE) == want
 
 
-def test_a_width_no_group_divides_is_refused():
-    with pytest.raises(ValueError, match="no power-of-two group"):
-        group_for(12, GROUP_SIZE)
+@pytest.mark.parametrize("k,t", [(3072, 8), (384, 8), (64, 4), (96, 2), (160, 2)])
+def test_inner_k_tiles_are_the_most_that_divide_the_width(k, t):
+    assert inner_k_tiles(k) == t
+
+
+@pytest.mark.parametrize(
+    "k,n,match", [(40, 16, "no group of 32/64/128/256"), (48, 16, "no group"), (64, 12, "not a multiple of 8")]
+)
+def test_shapes_tinygemm_cannot_hold_are_refused(k, n, match):
+    with pytest.raises(ValueError, match=match):
+        check_shape(k, n, GROUP_SIZE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,11 +100,11 @@ def test_quantize_keeps_every_weight_within_half_a_step(dtype):
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(24, 384, generator=g) * 0.05).to(dtype)
     w[3, :128] = 0.25  # a constant group: one value, no spread
-    q, scales, offsets = quantize(w, 128, dtype)
-    assert q.min() >= 0 and q.max() <= LEVELS and scales.dtype == offsets.dtype == dtype
-    rec = dequantize(pack(q, 128), scales, offsets, torch.float32)
-    step = scales.float().repeat_interleave(128, dim=1)
-    # rounding to the nearest code, against the stored (rounded) scale and offset: half a step, and the offset's
+    q, sz = quantize(w, 128, dtype)
+    assert q.min() >= 0 and q.max() <= LEVELS and sz.dtype == dtype and sz.shape == (3, 24, 2)
+    rec = dequantize(pack(q), sz, torch.float32)
+    step = sz[..., 0].T.float().repeat_interleave(128, dim=1)
+    # rounding to the nearest code, against the stored (rounded) scale and zero: half a step, and the zero's
     # own rounding at the group's ends
     slack = 0.5 * step + 2 * torch.finfo(dtype).eps * w.float().abs()
     assert ((rec - w.float()).abs() <= slack).all()
@@ -85,7 +113,7 @@ def test_quantize_keeps_every_weight_within_half_a_step(dtype):
 
 def test_every_code_is_used_by_a_group_spanning_its_range():
     w = torch.linspace(-1, 1, 128).repeat(2, 1)
-    q, _, _ = quantize(w, 128, torch.float32)
+    q, _ = quantize(w, 128, torch.float32)
     assert set(q[0].tolist()) == set(range(16))  # min-max: the 16 codes cover [min, max]
 
 
@@ -103,7 +131,7 @@ def test_quant_linear_equals_linear_with_the_dequantised_weight(bias):
     got = ql(x)
     assert got.dtype == torch.float32 and got.shape == (3, 7, 48)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    assert (ql.dequantize(torch.float32) - lin.weight).abs().max() <= ql.scales.max() / 2 + 1e-6
+    assert (ql.dequantize(torch.float32) - lin.weight).abs().max() <= ql.scales_and_zeros[..., 0].max() / 2 + 1e-6
 
 
 def test_voxtral_int4_replaces_the_decoder_linears_and_lm_head_only():
@@ -123,6 +151,7 @@ def test_voxtral_int4_replaces_the_decoder_linears_and_lm_head_only():
         "scheme": "int4",
         "group_size": GROUP_SIZE,
         "symmetric": False,
+        "layout": LAYOUT,
         "scale_dtype": "float32",
         "modules": PATTERNS["voxtral"],
         "n_linear": 4 * layers + 1,
@@ -151,7 +180,7 @@ def test_the_eager_reference_rebuilds_the_layout_from_the_record():
     m.setup_caches(32)
     with torch.device("meta"):
         rebuilt = Voxtral(m.config)
-    use_quant_layout(rebuilt, record["modules"], record["group_size"])
+    use_quant_layout(rebuilt, record)
     load_state(rebuilt, {k: v.clone() for k, v in m.state_dict().items()}, source="test", assign=True)
     rebuilt.setup_caches(32)
     e = torch.randn(1, 5, m.config.text.dim)
@@ -165,7 +194,7 @@ def test_whisper_reference_load_keeps_the_codes_exact():
     m = Whisper(WhisperConfig()).init_weights(0)
     record = apply_quant(m, "whisper", "int4")
     fresh = Whisper(WhisperConfig())
-    use_quant_layout(fresh, record["modules"], record["group_size"])
+    use_quant_layout(fresh, record)
     load_state(fresh, m.state_dict(), source="test")
     for (name, a), b in zip(m.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -187,24 +216,32 @@ def test_quant_option_is_checked_and_keys_the_compile_cache():
 def test_inspect_line_names_the_scheme():
     record = apply_quant(Voxtral(preset("tiny")), "voxtral", "int4")
     line = quant_line(record)
-    assert "int4 weight-only, groups of 128, asymmetric (scale + offset) in float32, 9 linear layers" in line
+    assert "int4 weight-only, groups of 128, asymmetric (scale + zero) in float32, tinygemm layout, 9 linear" in line
     assert quant_line(None) == "weights: unquantised (the bundle's dtype)"
 
 
+def test_a_record_of_another_layout_is_refused_with_what_to_do():
+    record = apply_quant(Voxtral(preset("tiny")), "voxtral", "int4")
+    with torch.device("meta"):
+        m = Voxtral(preset("tiny"))
+    with pytest.raises(BundleError, match="'planes' layout, not 'tinygemm'.*export it again"):
+        use_quant_layout(m, {k: v for k, v in record.items() if k != "layout"})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tinygemm_operands_give_the_dequantised_linear_through_atens_int4pack_matmul(dtype):
-    """The operands for aten's int4pack matmul (tinygemm on CUDA; its CPU twin here, same scales_and_zeros):
-    (q - 8) * scale + zero must be our q * scale + offset."""
+def test_the_stored_scales_and_zeros_are_what_atens_int4pack_matmul_takes(dtype):
+    """aten's int4pack matmul (tinygemm on CUDA; its CPU twin here, which takes the codes as they are and the same
+    scales_and_zeros) computes (q - 8) * scale + zero: our dequantised linear."""
     torch.manual_seed(0)
     lin = quantize_linear(nn.Linear(512, 96, bias=False).to(dtype))
-    codes, sz = tinygemm_operands(lin)
-    assert codes.shape == (96, 512) and sz.shape == (512 // lin.group_size, 96, 2) and sz.dtype == dtype
+    sz = lin.scales_and_zeros
     x = torch.randn(3, 512).to(dtype)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack(lin.qweight), 8)
     got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, lin.group_size, sz)
     want = x.double() @ lin.dequantize(torch.float32).double().T
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
-    wrong = torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]], -1)  # the offset as the zero: off by 8 steps
+    wrong = torch.stack([sz[..., 0], sz[..., 1] - 8 * sz[..., 0]], -1)  # the zero at code 0, not 8: 8 steps off
     bad = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, lin.group_size, wrong)
     assert ((bad.double() - want).abs().max() / want.abs().max()).item() > 10 * err
+    assert torch.equal(lin.tinygemm(x), lin(x))  # off CUDA, the step's tinygemm call is the dequantised matmul

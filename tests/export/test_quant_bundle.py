@@ -34,13 +34,13 @@ def test_manifest_records_the_scheme_and_inspect_shows_it(int4_bundle, capsys):
     assert "weights: int4 weight-only, groups of 128" in " ".join(capsys.readouterr().out.split())
 
 
-def test_decoder_weights_are_codes_scales_and_offsets(int4_bundle):
+def test_decoder_weights_are_packed_codes_and_scales_and_zeros(int4_bundle):
     m = read_manifest(int4_bundle)
     with safe_open(str(int4_bundle / m.methods["text_decoder"].weights), "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("layers.0.self_attn.qkv_proj.qweight").dtype == torch.int32
-        assert f.get_tensor("lm_head.scales").dtype == torch.float32  # the bundle's dtype
-    assert {"lm_head.qweight", "lm_head.scales", "lm_head.offsets"} <= keys
+        assert f.get_tensor("lm_head.scales_and_zeros").dtype == torch.float32  # the bundle's dtype
+    assert {"lm_head.qweight", "lm_head.scales_and_zeros"} <= keys
     assert not any(k.endswith("_proj.weight") or k == "lm_head.weight" for k in keys)
     with safe_open(str(int4_bundle / m.methods["token_embedding"].weights), "pt") as f:
         assert f.get_tensor("embed_tokens.weight").dtype == torch.float32  # not quantised

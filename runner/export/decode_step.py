@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.models.quant_linear import QuantLinear
+from runner.models.quant_linear import QuantLinear, few_rows
 from runner.models.voxtral import LanguageModel, RMSNorm, rope_inv_freq
 from runner.models.voxtral_config import TextConfig
 
@@ -57,7 +57,7 @@ class DecodeStep(nn.Module):
     def _rms_gemv(self, x, norm: RMSNorm, lin: nn.Module, glu: bool = False, out_f32: bool = False) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
         if isinstance(lin, QuantLinear):
-            y = lin.tinygemm(norm(x).view(1, -1)).view(-1)
+            y = few_rows(lin, norm(x))
             if glu:
                 gate, up = y.chunk(2)
                 return F.silu(gate) * up
@@ -67,5 +67,5 @@ class DecodeStep(nn.Module):
     def _gemv_add(self, x, lin: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
         if isinstance(lin, QuantLinear):
-            return residual + lin.tinygemm(x.view(1, -1)).view(-1)
+            return residual + few_rows(lin, x)
         return ops.gemv_add(x, lin.weight, residual, pdl)

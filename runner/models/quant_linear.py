@@ -128,6 +128,14 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int4 group={self.group_size}"
 
 
+def few_rows(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) where x has a few rows (a decode step: one token per sequence): an int4 layer through tinygemm, which
+    reads the codes once, instead of a dequantised copy of the whole weight per call."""
+    if isinstance(lin, QuantLinear):
+        return lin.tinygemm(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], lin.out_features)
+    return lin(x)
+
+
 def quantized_names(model: nn.Module, patterns: list[str]) -> list[str]:
     """The model's nn.Linear / QuantLinear modules whose names match one of the fnmatch `patterns`, in order."""
     return [

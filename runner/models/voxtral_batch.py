@@ -3,14 +3,18 @@
 Each sequence lives in a slot of its own KV cache, [slots, n_kv, S, head_dim] per layer, separate from the
 batch-1 cache the prefill writes (the runtime copies a prefilled prompt's rows into a free slot). Row b of a
 batch is slot b, at its own position `cache_position[b]`, attending to positions 0..cache_position[b] of its
-slot. The same parameters as text_decoder (`layers.*`, `norm`, `lm_head`): one weights file serves both.
+slot. The same parameters as text_decoder (`layers.*`, `norm`, `lm_head`): one weights file serves both. An int4
+layer runs through tinygemm on CUDA (`quant_linear.few_rows`): B <= 32 rows, where dequantising the whole weight
+per step would move several times what tinygemm reads.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from runner.models.quant_linear import few_rows
 from runner.models.voxtral import Attention, LanguageModel, apply_rope, rope
 from runner.models.voxtral_config import TextConfig
 
@@ -67,7 +71,7 @@ def slot_attention(
     write (the CUDA export's Triton op, export/kernels_batch.py); else written out over the whole slot."""
     c = attn.c
     n_kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
-    q, k, v = attn.qkv_proj(x).split([c.n_heads * d, n_kv * d, n_kv * d], dim=-1)
+    q, k, v = few_rows(attn.qkv_proj, x).split([c.n_heads * d, n_kv * d, n_kv * d], dim=-1)
     # unflatten, not view: a view's trace guards on B != 1 (the batch dim is dynamic)
     q = q.unflatten(-1, (n_kv, rep, d)).transpose(1, 2)  # [B, H_kv, 1, rep, D]: query heads folded as in Attention
     k = k.unflatten(-1, (n_kv, d)).transpose(1, 2)  # [B, H_kv, 1, D]
@@ -82,7 +86,7 @@ def slot_attention(
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * d**-0.5  # [B, H_kv, rep, S]
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         y = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, rep, D]
-    return attn.o_proj(y.flatten(1).unsqueeze(1))  # heads in order j*rep + r: [B, 1, n_heads * D]
+    return few_rows(attn.o_proj, y.flatten(1).unsqueeze(1))  # heads in order j*rep + r: [B, 1, n_heads * D]
 
 
 class BatchDecoder(nn.Module):
@@ -106,5 +110,6 @@ class BatchDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + slot_attention(layer.self_attn, h, cos, sin, cache_position, mask, self.batch.kv(i), self.attend)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x[:, -1, :])).float()
+            gate, up = few_rows(layer.mlp.gate_up_proj, layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+            x = x + few_rows(layer.mlp.down_proj, F.silu(gate) * up)  # MLP.forward, its linears at a few rows
+        return few_rows(self.lm_head, self.norm(x[:, -1, :])).float()

@@ -1,6 +1,7 @@
 """Weight-only int4 (`--quant int4`): packing, quantisation, the QuantLinear module against its dequantised
 reference, which layers a family quantises, how the eager reference rebuilds them, and the options and inspect
-line. The kernels are in test_quant_kernels.py, a whole bundle in test_quant_bundle.py."""
+line. The int4 decode step is in test_quant_step.py, a whole bundle in test_quant_bundle.py, tinygemm on a GPU in
+tests/cuda/test_int4_cuda.py."""
 
 from __future__ import annotations
 
@@ -24,11 +25,14 @@ from runner.models.quant_linear import (
     group_for,
     inner_k_tiles,
     pack,
+    quantized_names,
+    swap_module,
     unpack,
     use_quant_layout,
 )
 from runner.models.state import load_state
 from runner.models.voxtral import Voxtral
+from runner.models.voxtral_batch import BatchDecoder, SlotCaches
 from runner.models.voxtral_config import preset
 from runner.models.whisper import Whisper, WhisperConfig
 
@@ -245,3 +249,25 @@ def test_the_stored_scales_and_zeros_are_what_atens_int4pack_matmul_takes(dtype)
     bad = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, lin.group_size, wrong)
     assert ((bad.double() - want).abs().max() / want.abs().max()).item() > 10 * err
     assert torch.equal(lin.tinygemm(x), lin(x))  # off CUDA, the step's tinygemm call is the dequantised matmul
+
+
+@torch.no_grad()
+def test_the_batched_step_runs_int4_layers_at_a_few_rows_as_the_dequantised_model():
+    """BatchDecoder calls each int4 linear through `few_rows` (tinygemm on CUDA, where B <= 32 rows): on rows at
+    their own positions it computes what the same step over nn.Linear layers holding the dequantised weights does."""
+    cfg = preset("tiny")
+    q = Voxtral(cfg).init_weights(seed=5)
+    record = apply_quant(q, "voxtral", "int4")
+    plain = copy.deepcopy(q)
+    for name in quantized_names(plain, record["modules"]):
+        ql = plain.get_submodule(name)
+        lin = nn.Linear(ql.in_features, ql.out_features, bias=False)
+        lin.weight.copy_(ql.dequantize(torch.float32))
+        swap_module(plain, name, lin)
+    emb = torch.randn(3, 1, cfg.text.dim, generator=torch.Generator().manual_seed(1)) * 0.5
+    pos = torch.tensor([0, 7, 3])
+    got, want = (
+        BatchDecoder(cfg.text, m.language_model, SlotCaches(cfg.text, 4, 16, torch.float32))(emb, pos)
+        for m in (q, plain)
+    )
+    assert got.shape == (3, cfg.text.vocab_size) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from runner.app.options import Environment
-from runner.export.checkpoint import load_checkpoint, write_tiny_checkpoint
+from runner.bundle import MANIFEST_NAME, read_manifest, weight_files
+from runner.export.checkpoint import TINY_SEED, load_checkpoint, random_model, write_tiny_checkpoint
 from runner.export.pipeline import ExportOptions
 from runner.export.voxtral import export_voxtral
 from runner.families import family_for
@@ -123,3 +125,14 @@ def prompt_for(runner: MultimodalRunner, path, prompt=None, language=None) -> li
     program = runner.engine.program
     family = family_for(program.bundle_dir, program.manifest.model)
     return family.prompts(path, prompt, language, runner.engine.max_audio_chunks)[0]
+
+
+def as_random_init(bundle: Path, dest: Path, **source) -> Path:
+    """A copy of `bundle` whose manifest says its weights are the tiny preset drawn with TINY_SEED, without them."""
+    shutil.copytree(bundle, dest)
+    data = json.loads((dest / MANIFEST_NAME).read_text())
+    data["model"]["source"] = random_model("tiny", TINY_SEED)[1].to_dict() | source
+    (dest / MANIFEST_NAME).write_text(json.dumps(data, indent=2))
+    for name in weight_files(read_manifest(dest)):
+        (dest / name).unlink()
+    return dest

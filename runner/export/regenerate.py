@@ -21,7 +21,9 @@ from runner.digests import sha256_file
 from runner.errors import RunnerError
 from runner.export.checkpoint import generator_id, random_model
 from runner.export.pipeline import ExportOptions, method_weights, prepare
+from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME as VOXTRAL
+from runner.models.quant_linear import LAYOUT
 
 RANDOM_INIT = "random-init"  # ModelSource.kind of random_model's weights
 
@@ -37,6 +39,7 @@ def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:
         return []
     _check_can_regenerate(bundle_dir, manifest)
     source, meta = manifest.model["source"], manifest.model
+    quant = meta.get("quant")  # an int4 bundle's weights are the drawn model quantised as its record says
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[manifest.dtype]
     opts = ExportOptions(
         device=manifest.device,
@@ -58,6 +61,8 @@ def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:
     from runner.export.voxtral import plan_methods  # the family's methods give each weight file's tensors
 
     model, _ = prepare(model, drawn, opts, VOXTRAL)
+    if quant:
+        apply_quant(model, VOXTRAL, quant["scheme"], quant["group_size"])
     tensors = {}
     for plan in plan_methods(model, opts):
         tensors.setdefault(plan.spec.weights, method_weights(plan))
@@ -98,6 +103,12 @@ def _check_can_regenerate(bundle_dir: Path, manifest: Manifest) -> None:
             f"{bundle_dir}: its weights were drawn by {made_by or 'an older exporter'}; this machine has {here}, "
             "which gives other numbers for the same seed: regenerate them with that torch on that device, or export "
             "the bundle here"
+        )
+    quant = manifest.model.get("quant")
+    if quant and quant.get("layout") != LAYOUT:
+        raise RunnerError(
+            f"{bundle_dir}: its int4 codes are in the {quant.get('layout', 'planes')!r} layout of an older exporter, "
+            f"which this one no longer writes: export the bundle again"
         )
     if manifest.device == "cuda" and not torch.cuda.is_available():
         raise RunnerError(f"{bundle_dir}: its weights were drawn on CUDA; this machine has no CUDA device")

@@ -1,6 +1,7 @@
 """An int4 bundle end to end on CPU: `--quant int4` exported (checked against eager by the exporter), recorded in
-the manifest and shown by inspect, its decoder weights stored as int32 codes with scales and offsets, and its
-tokens those of the eager int4 model (`run --reference eager`)."""
+the manifest and shown by inspect, its decoder weights stored as packed int32 codes with scales and zeros, its
+tokens those of the eager int4 model (`run --reference eager`), and its weights drawn again when it travels
+without them."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import export_cached
+from conftest import as_random_init, export_cached
 from safetensors import safe_open
 
 from runner.app.cli import main
-from runner.bundle import read_manifest
+from runner.bundle import MANIFEST_NAME, read_manifest, weight_files
+from runner.digests import sha256_file
+from runner.errors import RunnerError
+from runner.export.regenerate import regenerate
 
 AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 
@@ -62,3 +66,21 @@ def test_tokens_are_the_eager_int4_models(int4_bundle):
         # teacher-forced: with our tokens as the prefix, the eager int4 model picks each of them (fp32: exactly)
         assert r["reference"]["first_divergence"] is None and r["reference"]["ok"], r["reference"]
         assert r["reference"]["max_logit_error"] <= 1e-4 * max(r["reference"]["logit_scale"], 1.0)
+
+
+def test_a_random_init_int4_bundle_regenerates_its_codes_byte_for_byte(int4_bundle, tmp_path):
+    """Random-init bundles travel without weights (the GPU matrix's 3b-int4 cell too): regenerating draws the
+    model and quantises it as the manifest's record says; every file must match its sha256."""
+    want = {n: sha256_file(int4_bundle / n) for n in weight_files(read_manifest(int4_bundle))}
+    bundle = as_random_init(int4_bundle, tmp_path / "b")
+    assert sorted(regenerate(bundle)) == sorted(want)
+    assert {n: sha256_file(bundle / n) for n in want} == want
+
+
+def test_an_int4_bundle_of_the_older_layout_is_refused_with_what_to_do(int4_bundle, tmp_path):
+    bundle = as_random_init(int4_bundle, tmp_path / "b")
+    data = json.loads((bundle / MANIFEST_NAME).read_text())
+    del data["model"]["quant"]["layout"]  # what session 21's exporter wrote
+    (bundle / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(RunnerError, match="'planes' layout of an older exporter.*export the bundle again"):
+        regenerate(bundle)

@@ -7,32 +7,21 @@ whose every weight byte is known, without another compile."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import as_random_init
 
-from runner.bundle import MANIFEST_NAME, read_manifest, verify_bundle, weight_files
+from runner.bundle import read_manifest, verify_bundle, weight_files
 from runner.digests import sha256_file
 from runner.errors import RunnerError
 from runner.export.checkpoint import TINY_SEED, random_model
 from runner.export.regenerate import regenerate
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def as_random_init(bundle: Path, dest: Path, **source) -> Path:
-    """A copy of `bundle` whose manifest says its weights are the tiny preset drawn with TINY_SEED, without them."""
-    shutil.copytree(bundle, dest)
-    data = json.loads((dest / MANIFEST_NAME).read_text())
-    data["model"]["source"] = random_model("tiny", TINY_SEED)[1].to_dict() | source
-    (dest / MANIFEST_NAME).write_text(json.dumps(data, indent=2))
-    for name in weight_files(read_manifest(dest)):
-        (dest / name).unlink()
-    return dest
 
 
 def test_the_weights_are_drawn_again_byte_for_byte_and_the_bundle_verifies(tiny_bundle, tmp_path):

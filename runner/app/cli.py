@@ -144,13 +144,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
-    start = presets.load(
-        args.preset, args.checkpoint, random_init=args.random_init, seed=args.seed, dtype=dtype, device=device,
-        cache_dir=cache_dir,
-    )  # fmt: skip
-    name, model, source, tekken, export = start.name, start.model, start.source, start.tokenizer, start.export
-    quant = "" if args.quant == "none" else f"-{args.quant}"
-    out = args.out or Path("artifacts") / f"{start.bundle_prefix}{name}-{device}-{dtype}{quant}"
+    # the options first: a bad flag is one line before minutes of loading a checkpoint
     opts = ExportOptions(
         device=device,
         dtype=dtype,
@@ -166,6 +160,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_autotune=tuple(m for m in (args.max_autotune or "").split(",") if m),
     )
+    start = presets.load(
+        args.preset, args.checkpoint, random_init=args.random_init, seed=args.seed, dtype=dtype, device=device,
+        cache_dir=cache_dir,
+    )  # fmt: skip
+    name, model, source, tekken, export = start.name, start.model, start.source, start.tokenizer, start.export
+    quant = "" if args.quant == "none" else f"-{args.quant}"
+    out = args.out or Path("artifacts") / f"{start.bundle_prefix}{name}-{device}-{dtype}{quant}"
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.
     spinner = console.status if sys.stderr.isatty() else _PlainStatus(console)

@@ -81,6 +81,9 @@ class ExportOptions:
             raise ExportError(f"--dtype {self.dtype}: choose from {', '.join(DTYPES)}")
         if self.quant not in QUANTS:
             raise ExportError(f"--quant {self.quant}: choose from {', '.join(QUANTS)}")
+        if self.quant == "int4" and self.device == "cuda" and self.dtype != "bf16":
+            # tinygemm takes bf16 only: in fp32 every decode step would dequantise all the weights
+            raise ExportError("--quant int4 on --device cuda needs --dtype bf16 (torch's int4 kernels take bf16)")
 
     @property
     def cache_root(self) -> Path:

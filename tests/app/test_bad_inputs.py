@@ -54,6 +54,17 @@ def test_a_bad_export_size_is_one_line_before_compiling(tmp_path, capsys, chunks
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_bad_flag_combination_is_one_line_before_the_checkpoint_loads(tmp_path, capsys, monkeypatch):
+    """int4 on CUDA in fp32 (tinygemm takes bf16) is refused before the preset's weights are drawn or read."""
+    from runner.export import presets
+
+    monkeypatch.setattr(presets, "load", lambda *a, **k: pytest.fail("the checkpoint was loaded before the check"))
+    argv = ["export", "--preset", "voxtral-mini-3b", "--random-init", "--device", "cuda", "--dtype", "fp32"]
+    assert main([*argv, "--quant", "int4", "--out", str(tmp_path / "b")]) == 1
+    assert "--quant int4 on --device cuda needs --dtype bf16" in error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_file_among_several_gets_its_record_and_the_rest_go_on(tiny_bundle, tmp_path, capsys):
     """One broken file in the middle of a batch: every file gets its JSON record (an error record for the bad
     one), the files after it are transcribed, and the exit code says something failed."""

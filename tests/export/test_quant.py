@@ -207,6 +207,9 @@ def test_whisper_reference_load_keeps_the_codes_exact():
 def test_quant_option_is_checked_and_keys_the_compile_cache():
     with pytest.raises(ExportError, match="--quant int8: choose from none, int4"):
         ExportOptions(quant="int8")
+    with pytest.raises(ExportError, match="--quant int4 on --device cuda needs --dtype bf16"):
+        ExportOptions(quant="int4", device="cuda", dtype="fp32")
+    ExportOptions(quant="int4", device="cuda", dtype="bf16")
 
     class Source:
         weights_digest = "w"

@@ -27,6 +27,7 @@ CELLS = (
 ALL = "all"
 DTYPES = ("bf16", "fp32")
 QUANTS = ("none", "int4")
+INT4_DTYPE = "bf16"  # torch's int4 kernels (tinygemm) take bf16: the exporter refuses int4 on CUDA in fp32
 MAX_NEW_TOKENS = (1, 4096)
 BENCHMARK_RUNS = (1, 100)
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -38,9 +39,11 @@ def _whole(value: str, name: str, lo: int, hi: int) -> str | None:
     return None
 
 
-def preset_cells(preset: str, quant: str) -> list[tuple]:
-    """The CELLS a dispatch's preset and quant (either may be "all") pick."""
-    return [c for c in CELLS if preset in (ALL, c[1]) and quant in (ALL, c[3])]
+def preset_cells(preset: str, quant: str, dtype: str = INT4_DTYPE) -> list[tuple]:
+    """The CELLS a dispatch's preset and quant (either may be "all") pick at `dtype` (int4 cells: bf16 only)."""
+    return [
+        c for c in CELLS if preset in (ALL, c[1]) and quant in (ALL, c[3]) and (c[3] != "int4" or dtype == INT4_DTYPE)
+    ]
 
 
 def problems(env: Mapping[str, str]) -> list[str]:
@@ -60,6 +63,10 @@ def problems(env: Mapping[str, str]) -> list[str]:
     quant, preset = env.get("QUANT", ALL), env.get("PRESET", "")
     if quant not in (ALL, *QUANTS):
         out.append(f"quant {quant!r}: choose from {', '.join((ALL, *QUANTS))}")
+    elif quant == "int4" and env.get("DTYPE", "") in DTYPES and env.get("DTYPE") != INT4_DTYPE:
+        out.append(
+            f"quant int4 runs in {INT4_DTYPE} only (torch's int4 kernels take {INT4_DTYPE}): pick dtype {INT4_DTYPE}"
+        )
     elif not checkpoint and preset in (*PRESETS, ALL) and not preset_cells(preset, quant):
         have = ", ".join(f"{c[1]} {c[3]}" for c in CELLS)
         out.append(f"no cell is preset {preset} with quant {quant}: the cells are {have}")
@@ -77,7 +84,7 @@ def matrix(env: Mapping[str, str]) -> dict:
     if checkpoint:
         cells = [("checkpoint", "", False, "none" if quant == ALL else quant)]
     else:
-        cells = preset_cells(preset, quant)
+        cells = preset_cells(preset, quant, dtype)
     include = [
         {"cell": cell, "preset": p, "checkpoint": checkpoint, "random-init": str(rand).lower(), "dtype": dtype}
         | {"quant": q}

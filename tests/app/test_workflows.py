@@ -201,6 +201,7 @@ def test_preflight_writes_the_matrix_every_preset_one_preset_or_one_checkpoint(t
     ]
     assert every == cells(PRESET="all", QUANT="all")  # a schedule or a pull request passes no inputs: all
     assert [c["cell"] for c in cells(PRESET="tiny", DTYPE="fp32")] == ["tiny"]
+    assert [c["cell"] for c in cells(PRESET="all", DTYPE="fp32")] == ["tiny", "3b"]  # int4 is bf16 only
     assert [c["cell"] for c in cells(PRESET="voxtral-mini-3b", QUANT="none")] == ["3b"]
     assert [c["cell"] for c in cells(PRESET="all", QUANT="int4")] == ["3b-int4"]
     (one,) = cells(PRESET="all", CHECKPOINT="mistralai/Voxtral-Mini-3B-2507")
@@ -212,6 +213,9 @@ def test_preflight_writes_the_matrix_every_preset_one_preset_or_one_checkpoint(t
     # a preset and a quant no cell has: one line, no matrix
     r = script("preflight.py", env={**base, "PRESET": "tiny", "QUANT": "int4"})
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no cell is preset tiny with quant int4" in r.stderr
+    for preset, ckpt in (("all", ""), ("all", "/ckpt")):  # int4 asked for in fp32: one line, before any job
+        r = script("preflight.py", env={**base, "PRESET": preset, "CHECKPOINT": ckpt, "QUANT": "int4", "DTYPE": "fp32"})
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "quant int4 runs in bf16 only" in r.stderr
 
 
 def test_ci_installs_the_cpu_torch_wheel():

@@ -34,6 +34,8 @@ from runner.errors import TERMINATING, BundleError, ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
 from runner.export.methods import MethodPlan, dtype_name
+from runner.export.quant import PATTERNS as QUANT_PATTERNS
+from runner.families.voxtral_realtime import NAME as REALTIME
 from runner.publish import absolute_destination, check_destination, make_stage, publish
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
@@ -239,6 +241,13 @@ def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: 
             f"--max-batch {opts.max_batch}: a {family} bundle has no batched decode step "
             f"(only {', '.join(BATCHED_FAMILIES)} bundles take --max-batch > 1)"
         )
+    if opts.quant != "none" and family not in QUANT_PATTERNS:
+        raise ExportError(
+            f"--quant {opts.quant}: a {family} bundle has no quantised path (only "
+            f"{', '.join(QUANT_PATTERNS)} bundles take --quant)"
+        )
+    if opts.max_streams is not None and family != REALTIME:
+        raise ExportError(f"--max-streams: a {family} bundle has no stream slots (only {REALTIME} bundles take it)")
     dtype = DTYPES[opts.dtype]
     model = model.to(device=opts.device, dtype=dtype).eval()
     model.setup_caches(opts.max_seq_len, dtype)

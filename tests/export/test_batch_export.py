@@ -70,6 +70,20 @@ def test_a_family_without_a_batched_step_refuses_max_batch(family):
         prepare(None, None, ExportOptions(max_batch=2), family)  # refused before the model is touched
 
 
+@pytest.mark.parametrize(
+    "family,opts,says",
+    [
+        ("voxtral-realtime", {"quant": "int4"}, "--quant int4: a voxtral-realtime bundle has no quantised path"),
+        ("voxtral", {"max_streams": 4}, "--max-streams: a voxtral bundle has no stream slots"),
+        ("whisper", {"max_streams": 4}, "--max-streams: a whisper bundle has no stream slots"),
+    ],
+)
+def test_a_flag_the_family_does_not_take_is_refused_not_ignored(family, opts, says):
+    """A flag a family would ignore (and the CLI would still name the bundle after, `-int4`) is an error."""
+    with pytest.raises(ExportError, match=says):
+        prepare(None, None, ExportOptions(**opts), family)  # refused before the model is touched
+
+
 def test_the_cli_refuses_it_in_one_error_line(tmp_path, capsys):
     out = tmp_path / "rt"
     assert main(["export", "--preset", "tiny-realtime", "--max-batch", "2", "--out", str(out)]) != 0

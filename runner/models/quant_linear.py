@@ -121,7 +121,8 @@ class QuantLinear(nn.Module):
         CPU, through Triton's interpreter in the tests; fp32) the dequantised matmul, which tinygemm computes."""
         if not (x.is_cuda and x.dtype == torch.bfloat16 and self.scales_and_zeros.dtype == torch.bfloat16):
             return self(x)
-        y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.group_size, self.scales_and_zeros)
+        # contiguous: tinygemm checks it, and a compiled graph may hand it a view's strides
+        y = torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

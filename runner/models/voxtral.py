@@ -16,6 +16,7 @@ from torch import nn
 
 from runner.models.mel import LogMelSpectrogram
 from runner.models.methods import Methods
+from runner.models.quant_linear import few_rows
 from runner.models.voxtral_config import PROJECTOR_GROUP, AudioConfig, TextConfig, VoxtralConfig
 
 # ---------------------------------------------------------------- audio tower (Whisper encoder)
@@ -275,7 +276,10 @@ class TextDecoder(nn.Module):
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, cache_position, mask, self.attend)
-        return self.lm_head(self.norm(x[0] if every_position else x[:, -1, :])).float()
+        if every_position:
+            return self.lm_head(self.norm(x[0])).float()
+        # one row: an int4 lm_head through tinygemm, not its 0.8 GB (3B) dequantised for one position
+        return few_rows(self.lm_head, self.norm(x[:, -1, :])).float()
 
 
 # ---------------------------------------------------------------- the whole model

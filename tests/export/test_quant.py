@@ -274,3 +274,21 @@ def test_the_batched_step_runs_int4_layers_at_a_few_rows_as_the_dequantised_mode
         for m in (q, plain)
     )
     assert got.shape == (3, cfg.text.vocab_size) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_prefill_runs_an_int4_lm_head_on_its_last_row_alone():
+    """The prompt's logits are the last position's: an int4 lm_head goes through `few_rows` (tinygemm on CUDA) on
+    that one row, never dequantised whole (0.8 GB at 3B for one row)."""
+    m = Voxtral(preset("tiny")).init_weights(0)
+    apply_quant(m, "voxtral", "int4")
+    m.setup_caches(32)
+    lm_head, rows = m.language_model.lm_head, []
+    plain = lm_head.tinygemm
+    lm_head.tinygemm = lambda x: rows.append(tuple(x.shape)) or plain(x)
+    e = torch.randn(1, 6, m.config.text.dim, generator=torch.Generator().manual_seed(0))
+    logits = m.decoder()(e, torch.arange(6))
+    assert rows == [(1, m.config.text.dim)] and logits.shape == (1, m.config.text.vocab_size)
+    m.reset_caches()
+    everywhere = m.decoder()(e, torch.arange(6), every_position=True)  # scoring: every row, dequantised
+    assert rows == [(1, m.config.text.dim)] and torch.allclose(everywhere[-1:], logits, atol=1e-6)

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from runner.export import kernels as K  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
+from runner.export.quant import apply_quant  # noqa: E402
 from runner.models.voxtral import Voxtral, apply_rope, rope, rope_inv_freq  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
@@ -137,10 +138,15 @@ def test_attention_splits_follow_the_capacity():
     assert K.attention_splits(8192) == K.attention_splits(10240) == K.LONG_SPLITS == 16
 
 
-def test_decode_step_matches_the_decoder():
-    """Prefill 8 positions with the written-out decoder, then 3 steps with each; logits and caches agree."""
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_decode_step_matches_the_decoder(quant):
+    """Prefill 8 positions with the written-out decoder, then 3 steps with each; logits and caches agree. With
+    int4 (the decoder dequantises in torch) the step's linears are tinygemm on a GPU in bf16, elsewhere the
+    dequantised matmul: then this checks the step's wiring (norms, residuals, SiLU * up around each linear);
+    tinygemm itself: tests/cuda/test_int4_cuda.py."""
     torch.manual_seed(0)
     m = Voxtral(preset("tiny")).init_weights(0).to(DEV, DOT_DTYPE)
+    apply_quant(m, "voxtral", quant)
     m.setup_caches(64)
     dec, step = m.decoder(), DecodeStep(m.config.text, m.language_model)
     caches = [t for layer in dec.layers for t in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache)]

@@ -18,12 +18,12 @@ from safetensors.torch import save_file
 
 from runner.bundle import Manifest, missing_weights, read_manifest
 from runner.digests import sha256_file
-from runner.errors import RunnerError
+from runner.errors import BundleError, RunnerError
 from runner.export.checkpoint import generator_id, random_model
 from runner.export.pipeline import ExportOptions, method_weights, prepare
 from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME as VOXTRAL
-from runner.models.quant_linear import LAYOUT
+from runner.models.quant_linear import check_layout
 
 RANDOM_INIT = "random-init"  # ModelSource.kind of random_model's weights
 
@@ -104,11 +104,10 @@ def _check_can_regenerate(bundle_dir: Path, manifest: Manifest) -> None:
             "which gives other numbers for the same seed: regenerate them with that torch on that device, or export "
             "the bundle here"
         )
-    quant = manifest.model.get("quant")
-    if quant and quant.get("layout") != LAYOUT:
-        raise RunnerError(
-            f"{bundle_dir}: its int4 codes are in the {quant.get('layout', 'planes')!r} layout of an older exporter, "
-            f"which this one no longer writes: export the bundle again"
-        )
+    if quant := manifest.model.get("quant"):
+        try:
+            check_layout(quant)
+        except BundleError as e:
+            raise RunnerError(f"{bundle_dir}: {e}") from None
     if manifest.device == "cuda" and not torch.cuda.is_available():
         raise RunnerError(f"{bundle_dir}: its weights were drawn on CUDA; this machine has no CUDA device")

@@ -151,15 +151,21 @@ def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def check_layout(record: dict) -> None:
+    """Raise BundleError for a quant record of another layout than this runner reads (int4 bundles exported
+    before the codes were stored in tinygemm's layout: the older "planes")."""
+    if record.get("layout") != LAYOUT:
+        raise BundleError(
+            f"its int4 codes are in the {record.get('layout', 'planes')!r} layout of an older exporter, not "
+            f"{LAYOUT!r}: export the bundle again"
+        )
+
+
 def use_quant_layout(model: nn.Module, record: dict) -> list[str]:
     """Replace the modules the manifest's quant `record` names by empty QuantLinear ones of the same shapes (on the
     same device, meta included), ready for a bundle's state dict: how the eager reference rebuilds an int4 model.
-    A record of another layout (int4 bundles exported before this one) raises BundleError: export it again."""
-    if record.get("layout") != LAYOUT:
-        raise BundleError(
-            f"this int4 bundle stores its codes in the {record.get('layout', 'planes')!r} layout, not {LAYOUT!r} "
-            "(exported by an older runner): export it again"
-        )
+    A record of another layout raises BundleError (`check_layout`)."""
+    check_layout(record)
     names = quantized_names(model, record["modules"])
     for name in names:
         lin = model.get_submodule(name)

@@ -22,6 +22,8 @@
 #   ab       two runtime settings on one bundle, alternating twice: $AB_A, $AB_B (bench flags) -> ab.md
 #   profile  profile_decode.py's kernel table of the bundle ($PROFILE_ARGS, default --no-ceilings)
 #   kernels  decode_kernels.py --parts $KERNEL_PARTS (default tune) --fill $KERNEL_FILL (default 450) $KERNEL_ARGS
+#   prefill  benchmarks/prefill_attention.py $PREFILL_ARGS: the prefill's causal attention (our Triton op over a grid
+#            of tiles) against torch's SDPA backends at 385, 2000 and 7510 positions -> prefill.{json,log}
 #   whisper  Whisper tiny.en exported and run for each of $WHISPER_DTYPES (fp32 bf16), graph and no graph, WER
 #   soak     the tiny bf16 CUDA bundle with 4 chunks, then the soak tests on it ($SOAK_TESTS)
 #   small24b Voxtral-Small-24B dims (voxtral-small-24b), random init, bf16, --max-seq-len 1024 --max-audio-chunks 1
@@ -57,6 +59,7 @@ T_BENCH=${T_BENCH:-300}
 T_AB=${T_AB:-300}
 T_PROFILE=${T_PROFILE:-90}
 T_KERNELS=${T_KERNELS:-540}
+T_PREFILL=${T_PREFILL:-180}
 T_WHISPER=${T_WHISPER:-540}
 T_SOAK=${T_SOAK:-540}
 T_REALTIME=${T_REALTIME:-480}
@@ -88,6 +91,7 @@ PROFILE_ARGS=${PROFILE_ARGS:---no-ceilings}
 KERNEL_PARTS=${KERNEL_PARTS:-tune}
 KERNEL_FILL=${KERNEL_FILL:-450}
 KERNEL_ARGS=${KERNEL_ARGS-}  # more decode_kernels.py flags: "--max-seq 10240 --attention-fills 385,2000,7510"
+PREFILL_ARGS=${PREFILL_ARGS:---lengths 385,2000,7510 --max-seq 10240}
 WHISPER_DTYPES=${WHISPER_DTYPES:-fp32 bf16}
 RT_BUNDLE=${RT_BUNDLE:-artifacts/rt4b}
 RT_STREAMS=${RT_STREAMS:-64}
@@ -96,7 +100,7 @@ RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-sec
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench long firstrun weights regen ab profile kernels whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
+MODES="setup tests export bench long firstrun weights regen ab profile kernels prefill whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -381,6 +385,22 @@ mode_kernels() {
   grep -E "in-step|attention" "$OUT/decode_kernels.log"
   tail -3 "$OUT/decode_kernels.log"
   NOTE="$(grep -c "in-step" "$OUT/decode_kernels.log") in-step lines (decode_kernels.json)"
+  return $rc
+}
+
+mode_prefill() {
+  local args rc
+  read -ra args <<< "$PREFILL_ARGS"
+  (cd benchmarks && run_for "$T_PREFILL" python3 prefill_attention.py "${args[@]}" --out "$OUT/prefill.json" \
+    > "$OUT/prefill.log" 2>&1)
+  rc=$?
+  cat "$OUT/prefill.log"
+  # per length: the fastest of ours and of SDPA's backends (the log lists each length fastest first)
+  NOTE=$(awk '/^prefill attention/ && !/failed/ { n = $3; who = ($5 == "ours") ? "ours" : "sdpa";
+           if (!((n, who) in best)) { best[n, who] = $(NF - 6); order[++k] = n SUBSEP who } }
+         END { for (i = 1; i <= k; i++) { split(order[i], a, SUBSEP); printf "%s %s %s ms; ", a[1], a[2], best[order[i]] } }' \
+    "$OUT/prefill.log")
+  NOTE=${NOTE%; }
   return $rc
 }
 

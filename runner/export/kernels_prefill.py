@@ -30,6 +30,46 @@ def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    k_ptr,
+    v_ptr,
+    t0,
+    end,
+    q_pos,
+    m,
+    denom,
+    acc,
+    QK_SCALE,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One BLOCK_N tile of positions from t0 into the online softmax (m, denom, acc). MASKED: the tile may hold
+    positions past a row's own or past `end`; unmasked tiles lie wholly below every row's position."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    if MASKED:
+        t_ok = t < end
+        k = tl.load(k_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * QK_SCALE
+        s = tl.where((t[None, :] <= q_pos[:, None]) & t_ok[None, :], s, float("-inf"))
+    else:
+        k = tl.load(k_ptr + t[:, None] * D + d[None, :])
+        s = tl.dot(q, tl.trans(k)) * QK_SCALE
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptr + t[:, None] * D + d[None, :])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, denom, acc
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr,
     k_ptr,
@@ -43,10 +83,14 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Program (query block i, KV head j): rows [i * BLOCK_M, +BLOCK_M) of head j's folded queries against
-    positions [0, the block's last position]; each row masked to positions <= its own."""
-    i = tl.program_id(0)
-    j = tl.program_id(1)
+    """Program (KV head j, query block i): rows [i * BLOCK_M, +BLOCK_M) of head j's folded queries against
+    positions [0, the block's last position]; each row masked to positions <= its own.
+
+    The blocks run last-first: a block's work grows with its position (causal), so the longest start first and
+    the grid's tail is short ones. Tiles below the block's first position are visible to all its rows and skip
+    the masks; only the one or two tiles on the diagonal are masked."""
+    j = tl.program_id(0)
+    i = tl.num_programs(1) - 1 - tl.program_id(1)
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     q_pos = rows // REP
@@ -56,22 +100,18 @@ def _prefill_attention_kernel(
     kv_base = j.to(tl.int64) * kv_stride_h
     # positions this block needs: up to its last real row's (rows past n_rows are padding and never stored)
     end = (tl.minimum(i * BLOCK_M + BLOCK_M, n_rows) - 1) // REP + 1
+    lo = (i * BLOCK_M // REP) // BLOCK_N * BLOCK_N  # below the block's first position: no row masks anything
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for t0 in range(0, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_ok = t < end
-        k = tl.load(k_ptr + kv_base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * QK_SCALE
-        s = tl.where((t[None, :] <= q_pos[:, None]) & t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_base + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    for t0 in range(0, lo, BLOCK_N):
+        m, denom, acc = _attend_tile(
+            q, k_ptr + kv_base, v_ptr + kv_base, t0, end, q_pos, m, denom, acc, QK_SCALE, D, BLOCK_N, False
+        )
+    for t0 in range(lo, end, BLOCK_N):
+        m, denom, acc = _attend_tile(
+            q, k_ptr + kv_base, v_ptr + kv_base, t0, end, q_pos, m, denom, acc, QK_SCALE, D, BLOCK_N, True
+        )
     # every real row sees position 0, so its denominator is >= 1; padding rows may see none and are not stored
     out = acc / tl.maximum(denom, 1e-30)[:, None]
     tl.store(out_ptr + q_base + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -81,7 +121,7 @@ def _launch_prefill(q, k_cache, v_cache, rep, config=None):
     _, n_kv, n_rows, d = q.shape
     block_m, block_n, warps, stages = config or prefill_config(d)
     out = torch.empty_like(q)
-    wrap_triton(_prefill_attention_kernel)[(triton.cdiv(n_rows, block_m), n_kv)](
+    wrap_triton(_prefill_attention_kernel)[(n_kv, triton.cdiv(n_rows, block_m))](
         q,
         k_cache,
         v_cache,

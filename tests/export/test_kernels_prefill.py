@@ -28,12 +28,12 @@ def reference(q, k_cache, v_cache, rep):
     return y.view(kv, rep, s, d).permute(0, 2, 1, 3).reshape(1, kv, rows, d)
 
 
-@pytest.mark.parametrize("s", [1, 5, 16, 37, 64])  # one token, ragged, block edges
+@pytest.mark.parametrize("s", [1, 5, 16, 37, 64, 150])  # one token, ragged, block edges, many tiles
 @pytest.mark.parametrize("rep", [1, 2, 4])
 @pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 2), (64, 32, 4, 1)])
 def test_prefill_attention_matches_causal_sdpa(s, rep, config):
     g = torch.Generator().manual_seed(s * 10 + rep)
-    kv, d, max_seq = 2, 16, 80
+    kv, d, max_seq = 2, 16, s + 16
     q = torch.randn(1, kv, s * rep, d, generator=g).to(DEV, DOT_DTYPE)
     kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
     kc[:, :, s:], vc[:, :, s:] = float("nan"), float("nan")  # past the prompt: must not be read
@@ -80,20 +80,25 @@ bm, bn, warps, stages = KP.prefill_config(128)
 consts = {"QK_SCALE": 128**-0.5 * KP.LOG2E, "REP": 4, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn}
 sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16"), "n_rows": "i32", "kv_stride_h": "i32",
        **dict.fromkeys(consts, "constexpr")}
-k = triton.compile(ASTSource(KP._prefill_attention_kernel, sig, consts), target=H200,
+# AOTInductor specialises 16-byte-aligned pointers and strides as Triton's launcher does
+names = KP._prefill_attention_kernel.arg_names
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_stride_h")}
+k = triton.compile(ASTSource(KP._prefill_attention_kernel, sig, consts, attrs), target=H200,
                    options={"num_warps": warps, "num_stages": stages})
 z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
 kw = dict(q_ptr=z(4 * 64 * 128), k_ptr=z(64 * 128), v_ptr=z(64 * 128), out_ptr=z(4 * 64 * 128), n_rows=256,
           kv_stride_h=64 * 128, **consts)
 writes = written(KP._prefill_attention_kernel, kw)
-print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma" in k.asm["ptx"], "writes": writes}))
+ptx = k.asm["ptx"]
+print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma" in ptx, "pipelined": "cp.async" in ptx, "writes": writes}))
 """
 
 
 def test_the_3b_tile_compiles_for_the_h200_and_writes_only_its_output():
     """The 3B's tile (head 128, rep 4) compiled for sm_90 by Triton here, no GPU needed: it fits the H200's shared
-    memory and its dots are Hopper's wgmma; and AOTInductor's analysis of the Triton IR finds it writes its output
+    memory, its dots are Hopper's wgmma and its key and value loads are pipelined (asynchronous copies into
+    shared memory, num_stages deep); and AOTInductor's analysis of the Triton IR finds it writes its output
     alone (a kernel that seemed to write the KV cache would have the export copy the cache: NOTES item 26)."""
     got = on_h200_target(COMPILE)
     assert got["writes"] == ["out_ptr"]
-    assert got["wgmma"] and 0 < got["shared"] <= 227 * 1024
+    assert got["wgmma"] and got["pipelined"] and 0 < got["shared"] <= 227 * 1024

@@ -1,6 +1,6 @@
 """Weight-only int4 (`--quant int4`): packing, quantisation, the QuantLinear module against its dequantised
 reference, which layers a family quantises, how the eager reference rebuilds them, and the options and inspect
-line. The int4 decode step is in test_kernels.py (test_decode_step_matches_the_decoder), a whole bundle in
+line. The int4 decode step is in test_kernels.py (test_decode_step_matches_the_decoder; its CUDA trace here), a whole bundle in
 test_quant_bundle.py, tinygemm on a GPU in tests/cuda/test_int4_cuda.py."""
 
 from __future__ import annotations
@@ -294,3 +294,32 @@ def test_the_prefill_runs_an_int4_lm_head_on_its_last_row_alone():
     m.reset_caches()
     everywhere = m.decoder()(e, torch.arange(6), every_position=True)  # scoring: every row, dequantised
     assert rows == [(1, m.config.text.dim)] and torch.allclose(everywhere[-1:], logits, atol=1e-6)
+
+
+def test_the_cuda_int4_step_traces_to_tinygemm_on_the_stored_buffers():
+    """The CUDA branch no CPU run takes: the int4 decode step traced by torch.export with fake CUDA tensors (no GPU
+    needed) calls aten's tinygemm once per quantised linear, and no dequantised matmul is left in its graph."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runner.export.decode_step import DecodeStep
+
+    cfg = preset("tiny")
+    with torch.device("meta"):
+        m = Voxtral(cfg).to(torch.bfloat16)
+    m.setup_caches(64, torch.bfloat16)
+    record = apply_quant(m, "voxtral", "int4")
+    with FakeTensorMode():
+        for sub in m.modules():  # every weight, code and cache as a fake CUDA tensor of its shape and dtype
+            for name, p in list(sub.named_parameters(recurse=False)):
+                setattr(sub, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"), False))
+            for name, b in list(sub.named_buffers(recurse=False)):
+                sub.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device="cuda"))
+        step = DecodeStep(cfg.text, m.language_model)
+        example = (torch.empty(1, 1, cfg.text.dim, dtype=torch.bfloat16, device="cuda"),
+                   torch.zeros(1, dtype=torch.int64, device="cuda"))  # fmt: skip
+        ep = torch.export.export(step, example, strict=False)
+    calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert calls.count("aten._weight_int4pack_mm.default") == record["n_linear"] > 0
+    matmuls = {f"aten.{op}.default" for op in ("mm", "addmm", "linear", "matmul", "bmm")}
+    assert not matmuls & set(calls), calls

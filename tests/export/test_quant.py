@@ -1,7 +1,8 @@
 """Weight-only int4 (`--quant int4`): packing, quantisation, the QuantLinear module against its dequantised
 reference, which layers a family quantises, how the eager reference rebuilds them, and the options and inspect
-line. The int4 decode step is in test_kernels.py (test_decode_step_matches_the_decoder; its CUDA trace here), a whole bundle in
-test_quant_bundle.py, tinygemm on a GPU in tests/cuda/test_int4_cuda.py."""
+line, and the CUDA decode step's trace (fake tensors). The int4 decode step's numbers are in test_kernels.py
+(test_decode_step_matches_the_decoder), a whole bundle in test_quant_bundle.py, tinygemm on a GPU in
+tests/cuda/test_int4_cuda.py."""
 
 from __future__ import annotations
 

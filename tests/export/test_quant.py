@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_env import on_h200_target
 from torch import nn
 
 from runner.app.inspect_bundle import quant_line
@@ -297,30 +298,40 @@ def test_the_prefill_runs_an_int4_lm_head_on_its_last_row_alone():
     assert rows == [(1, m.config.text.dim)] and torch.allclose(everywhere[-1:], logits, atol=1e-6)
 
 
+TRACE_INT4_STEP = r"""
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from runner.export.decode_step import DecodeStep
+from runner.export.quant import apply_quant
+from runner.models.voxtral import Voxtral
+from runner.models.voxtral_config import preset
+
+cfg = preset("tiny")
+with torch.device("meta"):
+    m = Voxtral(cfg).to(torch.bfloat16)
+m.setup_caches(64, torch.bfloat16)
+record = apply_quant(m, "voxtral", "int4")
+with FakeTensorMode():
+    for sub in m.modules():  # every weight, code and cache as a fake CUDA tensor of its shape and dtype
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"), False))
+        for name, b in list(sub.named_buffers(recurse=False)):
+            sub.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device="cuda"))
+    example = (torch.empty(1, 1, cfg.text.dim, dtype=torch.bfloat16, device="cuda"),
+               torch.zeros(1, dtype=torch.int64, device="cuda"))
+    ep = torch.export.export(DecodeStep(cfg.text, m.language_model), example, strict=False)
+calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+print(json.dumps({"calls": calls, "n_linear": record["n_linear"]}))
+"""
+
+
 def test_the_cuda_int4_step_traces_to_tinygemm_on_the_stored_buffers():
     """The CUDA branch no CPU run takes: the int4 decode step traced by torch.export with fake CUDA tensors (no GPU
-    needed) calls aten's tinygemm once per quantised linear, and no dequantised matmul is left in its graph."""
+    needed; in a fresh interpreter, where the Triton kernels are not interpreted) calls aten's tinygemm once per
+    quantised linear, and no dequantised matmul is left in its graph."""
     pytest.importorskip("triton")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from runner.export.decode_step import DecodeStep
-
-    cfg = preset("tiny")
-    with torch.device("meta"):
-        m = Voxtral(cfg).to(torch.bfloat16)
-    m.setup_caches(64, torch.bfloat16)
-    record = apply_quant(m, "voxtral", "int4")
-    with FakeTensorMode():
-        for sub in m.modules():  # every weight, code and cache as a fake CUDA tensor of its shape and dtype
-            for name, p in list(sub.named_parameters(recurse=False)):
-                setattr(sub, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda"), False))
-            for name, b in list(sub.named_buffers(recurse=False)):
-                sub.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device="cuda"))
-        step = DecodeStep(cfg.text, m.language_model)
-        example = (torch.empty(1, 1, cfg.text.dim, dtype=torch.bfloat16, device="cuda"),
-                   torch.zeros(1, dtype=torch.int64, device="cuda"))  # fmt: skip
-        ep = torch.export.export(step, example, strict=False)
-    calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
-    assert calls.count("aten._weight_int4pack_mm.default") == record["n_linear"] > 0
+    got = on_h200_target(TRACE_INT4_STEP)
+    calls = got["calls"]
+    assert calls.count("aten._weight_int4pack_mm.default") == got["n_linear"] > 0
     matmuls = {f"aten.{op}.default" for op in ("mm", "addmm", "linear", "matmul", "bmm")}
     assert not matmuls & set(calls), calls

@@ -89,24 +89,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
             [(ids(5),), (ids(1),)],
         ),
         prefill_plan(model, opts, state, emb, seq, m.text_decoder),
-        MethodPlan(
-            "text_decoder_step",
-            decode_step_module(model, opts.device, opts.pdl),
-            (emb(1), torch.tensor([3], device=dev)),
-            None,  # static: one token
-            replace(
-                method_spec(
-                    "text_decoder_step",
-                    [("embeds", dtype_name(dtype), [1, 1, H]), ("cache_position", "int64", [1])],
-                    [("logits", "float32", [1, c.text.vocab_size])],
-                    state,
-                ),
-                weights="text_decoder.safetensors",  # the same module: one copy of the weights and the KV cache
-            ),
-            # three steps from an empty cache, each attending to the ones before, against the written-out decoder
-            [(emb(1), torch.tensor([i], device=dev)) for i in range(3)],
-            reference=m.text_decoder,
-        ),
+        step_plan(model, opts, state, emb, m.text_decoder),
         *batched,
     ]
 
@@ -142,6 +125,35 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     )
     if tiles:
         plan.fallback = replace(plan, module=model.decoder(), key_extra={"fallback": "whole-cache"})
+    return plan
+
+
+def step_plan(model: Voxtral, opts: ExportOptions, state, emb, reference: nn.Module) -> MethodPlan:
+    """text_decoder_step: one token into the cache text_decoder wrote, naming its weights file (one copy of the
+    weights and the KV cache serves both). On CUDA the Triton decode kernels (and aten's tinygemm for int4 layers),
+    with the decoder itself at S = 1 as the fallback: should a kernel not compile under this torch, the export
+    still gives a bundle (slower steps), and `model.fallbacks` says so."""
+    c, dev, dtype = model.config.text, torch.device(opts.device), DTYPES[opts.dtype]
+    plan = MethodPlan(
+        "text_decoder_step",
+        decode_step_module(model, opts.device, opts.pdl),
+        (emb(1), torch.tensor([3], device=dev)),
+        None,  # static: one token
+        replace(
+            method_spec(
+                "text_decoder_step",
+                [("embeds", dtype_name(dtype), [1, 1, c.dim]), ("cache_position", "int64", [1])],
+                [("logits", "float32", [1, c.vocab_size])],
+                state,
+            ),
+            weights="text_decoder.safetensors",  # the same module: one copy of the weights and the KV cache
+        ),
+        # three steps from an empty cache, each attending to the ones before, against the written-out decoder
+        [(emb(1), torch.tensor([i], device=dev)) for i in range(3)],
+        reference=reference,
+    )
+    if _triton_tiles(model, opts.device):
+        plan.fallback = replace(plan, module=model.decoder(), key_extra={"fallback": "decoder"})
     return plan
 
 

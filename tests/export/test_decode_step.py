@@ -85,3 +85,28 @@ def test_methods_disagreeing_on_shared_state_are_refused(tiny_bundle, tmp_path):
     write_manifest(bundle, dataclasses.replace(m, methods=methods, files=file_entries(bundle, sorted(m.files))))
     with pytest.raises(DelegateError, match=f"text_decoder_step: state {key} is .* another method over text_decoder"):
         Program.load(bundle)
+
+
+def test_the_triton_step_has_the_decoder_as_its_fallback(monkeypatch):
+    """Where the Triton decode kernels serve the step (CUDA), a compile failure of theirs falls back to the decoder
+    itself at S = 1 (the pipeline's fallback, tested in test_batch_export.py): the same spec and weights file, and
+    the same weight names, so the one weights file still serves text_decoder and the step. Elsewhere the step is
+    that decoder already, with nothing to fall back to."""
+    pytest.importorskip("triton")
+    from runner.export import voxtral as vx
+    from runner.export.decode_step import DecodeStep
+    from runner.export.pipeline import ExportOptions, method_weights
+    from runner.models.voxtral import TextDecoder, Voxtral
+    from runner.models.voxtral_config import preset
+
+    model = Voxtral(preset("tiny")).init_weights(0)
+    model.setup_caches(64)
+    emb = lambda s: torch.zeros(1, s, model.config.text.dim)  # noqa: E731
+    opts = ExportOptions(max_seq_len=64, max_audio_chunks=1)
+    plain = vx.step_plan(model, opts, {}, emb, model.decoder())
+    assert isinstance(plain.module, TextDecoder) and plain.fallback is None
+    monkeypatch.setattr(vx, "_triton_tiles", lambda *_: True)  # as on CUDA
+    plan = vx.step_plan(model, opts, {}, emb, model.decoder())
+    assert isinstance(plan.module, DecodeStep) and isinstance(plan.fallback.module, TextDecoder)
+    assert plan.fallback.spec == plan.spec and plan.fallback.key_extra == {"fallback": "decoder"}
+    assert method_weights(plan).keys() == method_weights(plan.fallback).keys()

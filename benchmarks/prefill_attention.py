@@ -60,6 +60,10 @@ def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
         for cfg in GRID
     ]
     rows += [timed(f"sdpa {b.name}", lambda b=b: sdpa(b), ref, flop) for b in BACKENDS]
+    # where a backend refuses GQA: the keys and values repeated per query head beforehand (not timed)
+    kr, vr = (x.repeat_interleave(rep, dim=1) for x in (kh, vh))
+    rows.append(timed("sdpa default, K/V repeated", lambda: folded(F.scaled_dot_product_attention(
+        qh, kr, vr, is_causal=True)), ref, flop))  # fmt: skip
     return rows
 
 

@@ -146,14 +146,20 @@ def audio_windows(wave: np.ndarray, max_chunks: int) -> list[np.ndarray]:
     return [wave[s:e] for s, e in window_bounds(wave, max_chunks * N_SAMPLES)]
 
 
-def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
-    """Zero-pad `wave` to a whole number of chunks, refusing audio longer than the bundle was exported for."""
-    n = num_chunks(len(wave))
+def checked_chunks(num_samples: int, max_chunks: int) -> int:
+    """num_chunks(num_samples), refusing audio longer than the bundle was exported for."""
+    n = num_chunks(num_samples)
     if n > max_chunks:
         raise AudioError(
-            f"audio is {len(wave) / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s); "
+            f"audio is {num_samples / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s); "
             f"this bundle takes at most {max_chunks} chunks ({max_chunks * CHUNK_LENGTH} s)"
         )
+    return n
+
+
+def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
+    """Zero-pad `wave` to a whole number of chunks, refusing audio longer than the bundle was exported for."""
+    n = checked_chunks(len(wave), max_chunks)
     out = np.zeros(n * N_SAMPLES, dtype=np.float32)
     out[: len(wave)] = wave
     return out

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.audio import pad_to_chunks
 from runner.errors import AudioError, GenerationError, TokenizerError
 from runner.runtime.engine import NON_FINITE_FEATURES, BatchEngine, check_features, to_encoder_dtype
 from runner.runtime.generate import (
@@ -35,6 +34,7 @@ from runner.runtime.generate import (
     Sampler,
     answer_room,
     audio_seconds,
+    wave_on_device,
 )
 from runner.runtime.results import join_results, window_result
 from runner.stats import Stats, now_ms
@@ -190,7 +190,7 @@ class _Batcher:
             try:
                 for j, seg in enumerate(window):
                     if isinstance(seg, AudioSegment) and seg.window is None:
-                        wave = torch.from_numpy(pad_to_chunks(seg.samples, e.max_audio_chunks)).to(e.device)
+                        wave = wave_on_device(seg.samples, e.max_audio_chunks, e.device)
                         mel = e.preprocess(wave)
                         if not bool(torch.isfinite(mel).all()):  # this file's fault, found before its prefill
                             raise AudioError(NON_FINITE_FEATURES)

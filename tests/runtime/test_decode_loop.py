@@ -192,3 +192,23 @@ def test_the_default_cap_is_128_tokens_or_four_a_second_of_the_prompts_audio():
     assert [answer_room(s) for s in (0, 4.4, 32, 600, 1800)] == [128, 128, 128, 2400, 7200]
     with pytest.raises(GenerationError):
         GenerationOptions(max_new_tokens=0)
+
+
+def test_the_waveform_goes_up_padded_to_whole_chunks_as_the_host_padding_was():
+    """wave_on_device pads on the device (only the samples cross): the same tensor pad_to_chunks gives, float64
+    samples as float32, and the same refusal of audio past the bundle's chunks."""
+    import numpy as np
+
+    from runner.audio import N_SAMPLES, pad_to_chunks
+    from runner.errors import AudioError
+    from runner.runtime.generate import wave_on_device
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, N_SAMPLES - 1, N_SAMPLES, N_SAMPLES + 7):
+        wave = rng.standard_normal(n).astype(np.float32)
+        got = wave_on_device(wave, 3, "cpu")
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(pad_to_chunks(wave, 3)))
+    wide = rng.standard_normal(1000)  # float64, as a caller's array may be
+    assert torch.equal(wave_on_device(wide, 1, "cpu")[:1000], torch.from_numpy(wide.astype(np.float32)))
+    with pytest.raises(AudioError, match="at most 1 chunks"):
+        wave_on_device(np.zeros(N_SAMPLES + 1, np.float32), 1, "cpu")

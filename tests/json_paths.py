@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import copy
+
 
 def mutate(d, path, new) -> None:
-    """Replace (or with "delete", remove) the value at `path`; a path an earlier mutation broke is skipped."""
+    """Replace (or with "delete", remove) the value at `path` by a copy of `new` (a strategy's sampled values are
+    shared between examples: a later edit inside one must not change it for the next, nor make it contain itself);
+    a path an earlier mutation broke is skipped."""
     parent = d
     try:
         for key in path[:-1]:
@@ -13,7 +17,7 @@ def mutate(d, path, new) -> None:
         if new == "delete":
             del parent[path[-1]]
         else:
-            parent[path[-1]] = new
+            parent[path[-1]] = copy.deepcopy(new)
     except (KeyError, IndexError, TypeError):
         pass
 

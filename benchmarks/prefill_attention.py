@@ -14,6 +14,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from decode_kernels import rel_err
 from profile_decode import graph_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -24,10 +25,6 @@ DEV, BF16 = "cuda", torch.bfloat16
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the table's first, then the Triton tutorial's Hopper candidates
 GRID = [KP.prefill_config(128), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)]
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
-
-
-def rel_err(got, ref) -> float:
-    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def timed(who: str, fn, ref, flop: float, **extra) -> dict:

@@ -102,10 +102,9 @@ def stage(segments: list[Segment], device: str, audio_chunks: int, window_mel=No
 
 def wave_on_device(samples: np.ndarray, audio_chunks: int, device: str | torch.device) -> torch.Tensor:
     """The samples zero-padded to whole 30 s chunks (at most `audio_chunks`: AudioError past them) on the device.
-    The padding is made there and only the samples cross, on CUDA from pinned memory without waiting: padding on the
-    host first wrote a fresh copy of the whole waveform, and its upload from pageable memory held the host (a
-    10-minute prompt: 38 MB, milliseconds before the first kernel is queued). torch's pinned-memory cache keeps the
-    staging buffer until the copy has finished, then reuses it for the next prompt."""
+    The padding is made there and only the samples cross, on CUDA from pinned memory without the host waiting
+    (padding on the host wrote a copy of the whole waveform first: benchmarks/NOTES.md item 50). torch's
+    pinned-memory cache keeps the staging buffer until the copy has finished."""
     dev = torch.device(device)
     n = checked_chunks(len(samples), audio_chunks)
     host = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))

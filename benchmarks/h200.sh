@@ -9,7 +9,8 @@
 #            10 minutes); a failed export stops later modes
 #   bench    the same-run comparison: ours and $COMPARE (default hf,hf-compile) -> bench_3b.{json,md,png,log}
 #   long     $LONG_SECONDS (default 600) of speech (the fixtures, repeated) through $BUNDLE in one prompt, beside
-#            $LONG_COMPARE (default hf-compile) -> bench_long.{json,md,log}
+#            $LONG_COMPARE (default hf-compile) -> bench_long.{json,md,log}; with $LONG_AB (bench flags, e.g.
+#            "--encoder-chunks 4") ours once more with them -> bench_long_b.{json,md,log}
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: tinygemm against float64 and the bf16 kernels, the step, agreement
@@ -29,7 +30,9 @@
 #   small24b Voxtral-Small-24B dims (voxtral-small-24b), random init, bf16, --max-seq-len 1024 --max-audio-chunks 1
 #            -> $BUNDLE_24B (default artifacts/24b; an existing one is benched again, not re-exported), then
 #            `bench --compare none` -> bench_24b.{json,md,log}. Its 48.5 GB of weights need the disk: our other
-#            bundles under artifacts/ (folders with a model.pte) are deleted first; the caches stay
+#            bundles under artifacts/ (folders with a model.pte) are deleted first; the caches stay. On the GPU
+#            one copy of them at a time (the export's self-check moves the eager model to the host where the
+#            bundle's would not fit beside it), so an H100's 80 GB hold it
 #   throughput  $TP_FILES (default 64) files of 30 s (the fixtures' speech, repeated) through $BUNDLE (export it with
 #            --max-batch: EXPORT_ARGS="--max-seq-len 1024 --max-audio-chunks 1 --max-batch 32") at each batch of
 #            $TP_BATCHES (default 1,8,32; 1 is the serial run), in one `bench --compare none` beside ours' headline
@@ -85,6 +88,7 @@ COMPARE=${COMPARE:-hf,hf-compile}
 EXPORT_ARGS=${EXPORT_ARGS---max-seq-len 1024 --max-audio-chunks 1}
 LONG_SECONDS=${LONG_SECONDS:-600}
 LONG_COMPARE=${LONG_COMPARE:-hf-compile}
+LONG_AB=${LONG_AB:-}
 AB_A=${AB_A-}  # set but empty: no flags (the default settings)
 AB_B=${AB_B---no-pdl}
 PROFILE_ARGS=${PROFILE_ARGS:---no-ceilings}
@@ -212,7 +216,7 @@ mode_bench() {
 
 mode_long() {
   need_bundle || { NOTE="no bundle"; return 1; }
-  local rc chunks wav=/tmp/long.wav
+  local rc chunks wav=/tmp/long.wav ab
   chunks=$(( (LONG_SECONDS + 29) / 30 ))
   python3 - "$wav" "$LONG_SECONDS" <<'PY' || { NOTE="could not make the long audio"; return 1; }
 import sys, numpy as np, soundfile as sf
@@ -234,6 +238,15 @@ PY
     NOTE="${LONG_SECONDS} s: $(figures "$OUT/bench_long.json" | paste -sd ';' | sed 's/;/; /g')"
   else
     NOTE="no JSON written (rc $rc)"
+  fi
+  if [ -n "$LONG_AB" ]; then  # ours again, with these flags: the same audio, machine and bundle
+    read -r -a ab <<< "$LONG_AB"
+    run_for "$T_LONG" python3 -m runner bench --bundle "$BUNDLE" --audio "$wav" --chunks "$chunks" --runs 3 \
+      --warmup 1 --language en --min-new-tokens 128 --max-new-tokens 128 --compare none "${ab[@]}" \
+      --json "$OUT/bench_long_b.json" > "$OUT/bench_long_b.md" 2> "$OUT/bench_long_b.log" || rc=$?
+    tail -3 "$OUT/bench_long_b.log"
+    cat "$OUT/bench_long_b.md"
+    NOTE="$NOTE; with $LONG_AB: $([ -s "$OUT/bench_long_b.json" ] && figures "$OUT/bench_long_b.json" | paste -sd ';')"
   fi
   return $rc
 }

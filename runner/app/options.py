@@ -58,8 +58,9 @@ class Environment:
         )
 
 
-def add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    """The run-time switches of `run` and `bench` (each also has a variable, above; a flag wins)."""
+def add_runtime_flags(p: argparse.ArgumentParser, encoder: bool = True) -> None:
+    """The run-time switches of `run`, `bench` and `stream` (`encoder`: the audio_encoder's, not stream's); a
+    switch with a variable above: the flag wins."""
     p.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode steps and prefills without graphs")
     p.add_argument(
         "--no-pdl", action="store_true", help="CUDA: capture plain graph edges even where the bundle's kernels wait"
@@ -70,13 +71,33 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="CUDA: skip the warm-up at load (each method called once, the decode step captured); the first "
         "file then pays for loading the kernels",
     )
+    if encoder:
+        p.add_argument(
+            "--encoder-chunks",
+            type=_chunks,
+            default=0,
+            metavar="N",
+            help="run audio_encoder on at most N 30 s chunks per call (default 0: all of a prompt's chunks at "
+            "once); less GPU memory for long audio, the same transcript",
+        )
     p.add_argument("--rehash", action="store_true", help="hash every bundle file again (ignore remembered digests)")
+
+
+def _chunks(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of chunks, 0 or more")
+    return n
 
 
 def runtime_options(args: argparse.Namespace, env: Environment) -> RuntimeOptions:
     return RuntimeOptions(
         cuda_graph=not getattr(args, "no_cuda_graph", False),
         warm_up=not getattr(args, "no_warm_up", False),
+        encoder_chunks=getattr(args, "encoder_chunks", 0),
         pdl=env.pdl and not getattr(args, "no_pdl", False),
         rehash=env.rehash or getattr(args, "rehash", False),
         cache_dir=env.cache_dir,

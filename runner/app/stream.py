@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--check-whole", action="store_true", help="fail unless each stream's tokens equal its file run alone, at once"
     )
     p.add_argument("--json", action="store_true", help="one JSON record per audio on stdout (text goes to stderr)")
-    add_runtime_flags(p)
+    add_runtime_flags(p, encoder=False)
     g = p.add_argument_group("benchmark (runner/app/stream_bench.py; synthetic audio, no --audio)")
     g.add_argument("--bench", action="store_true", help="time the bundle's streaming instead of transcribing")
     g.add_argument("--bench-seconds", type=float, default=20.0, help="audio of the batch-1 step timing")

@@ -35,17 +35,14 @@ from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
 from runner.export.methods import MethodPlan, dtype_name
 from runner.export.quant import PATTERNS as QUANT_PATTERNS
+from runner.export.self_check import check_bundle
 from runner.families.voxtral_realtime import NAME as REALTIME
 from runner.publish import absolute_destination, check_destination, make_stage, publish
-from runner.runtime.options import RuntimeOptions
-from runner.runtime.program import Program
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTS = ("none", "int4")  # --quant: weight-only int4 of the decoder's linear layers (export/quant.py)
-# Per-dtype tolerance of the exported-vs-eager self-check, relative to the reference's largest magnitude.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 # Families whose bundle can take `--max-batch` > 1 (a batched decode step); the others decode one file at a time.
 BATCHED_FAMILIES = ("voxtral",)
 # Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
@@ -376,9 +373,7 @@ def build_bundle(
         if opts.check:
             if progress:
                 progress("all", "checking against eager")
-            with Program.load(stage, device=opts.device, options=RuntimeOptions(cache_dir=opts.cache_dir)) as program:
-                for plan in plans:
-                    report.max_error[plan.name] = self_check(program, plan, model, dtype)
+            report.max_error = check_bundle(stage, plans, model, dtype, opts.device, opts.cache_dir)
         kept = publish(stage, out, merge=opts.force)
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)
@@ -402,34 +397,6 @@ def up_to_date(out: Path, inputs: str, digests: DigestCache) -> bool:
         return read_manifest(out).model.get("inputs") == inputs and verify_bundle(out, digests=digests) is not None
     except (BundleError, OSError):
         return False
-
-
-def self_check(program: Program, plan: MethodPlan, model: nn.Module, dtype: torch.dtype) -> float:
-    """Run the compiled method and eager on the same inputs; abort the export on a mismatch."""
-    method = program.methods[plan.name]
-    worst = 0.0
-    if plan.spec.state:  # a stateful method (the decoder's KV cache): both sides start empty
-        model.reset_caches()
-        program.reset_state()
-    with torch.no_grad():
-        for inputs in plan.check_inputs:
-            want = (plan.reference or plan.module)(*inputs)
-            got = method(*inputs)[0]
-            if got.shape != want.shape or got.dtype != want.dtype:
-                raise ExportError(
-                    f"{plan.name}: exported output {got.dtype}{list(got.shape)} != eager {want.dtype}{list(want.shape)}"
-                )
-            scale = want.float().abs().max().item() or 1.0
-            err = (got.float() - want.float()).abs().max().item() / scale
-            worst = max(worst, err)
-            if not err <= TOLERANCE[dtype]:
-                raise ExportError(
-                    f"{plan.name}: exported output differs from eager: max relative error "
-                    f"{err:.3g} > {TOLERANCE[dtype]:g} for input shapes "
-                    f"{[list(x.shape) for x in inputs]}"
-                )
-    model.reset_caches()
-    return worst
 
 
 def _gpu_arch() -> str:

@@ -101,6 +101,7 @@ class ProgramEngine:
         self._slots = slot_pairs(program, self._dec, self._batch) if self._batch is not None else []
         self.batch_graphs: BatchGraphs | None = None
         self.use_cuda_graph = options.cuda_graph and self.device == "cuda"
+        self.encoder_chunks = options.encoder_chunks
         self.cross: CrossAttended | None = None
         if cross_attention:  # graph replays read a static tensor: encode() copies each window's K/V into it
             kv = self._enc.spec.outputs[0]
@@ -144,7 +145,11 @@ class ProgramEngine:
             raise AudioError(NON_FINITE_FEATURES)
 
     def encode(self, mel):
-        out = self._run(self._enc, mel)
+        g = self.encoder_chunks
+        if 0 < g < mel.shape[0]:  # [chunks, n_mels, frames] -> [1, chunks * positions, dim]: a chunk attends to itself
+            out = torch.cat([self._run(self._enc, mel[i : i + g]) for i in range(0, mel.shape[0], g)], dim=1)
+        else:
+            out = self._run(self._enc, mel)
         return self.cross.keep(out) if self.cross is not None else out
 
     def embed(self, ids):

@@ -12,5 +12,8 @@ class RuntimeOptions:
     cuda_graph: bool = True  # CUDA: decode steps and repeated prefills replayed as CUDA graphs
     warm_up: bool = True  # CUDA: first method calls and the decode graph's capture at load (ProgramEngine.warm_up)
     pdl: bool = True  # CUDA: programmatic graph edges for a bundle whose kernels wait (manifest `pdl`)
+    # audio_encoder on at most this many 30 s chunks per call (0: a prompt's chunks in one call): a long input's
+    # encoder activations then follow this, not its length (≈ 37 MiB per chunk at 3B dims in bf16)
+    encoder_chunks: int = 0
     rehash: bool = False  # hash every bundle file again, ignoring the digests remembered for it
     cache_dir: Path | None = None  # where verified digests are remembered (None: digests.default_cache_dir())

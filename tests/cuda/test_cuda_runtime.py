@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import AUDIO, export_cached, runner_for
+from conftest import AUDIO, CACHE, export_cached, runner_for
 
 from runner.audio import load_audio
 from runner.families.voxtral import chat_prompt
@@ -149,3 +149,19 @@ def test_the_prefill_compiled_is_the_triton_flash_attention(cuda_bundle):
     from runner.bundle import read_manifest
 
     assert "fallbacks" not in read_manifest(cuda_bundle).model
+
+
+def test_the_self_check_with_one_copy_of_the_weights(tiny_checkpoint, tmp_path, monkeypatch):
+    """An export whose weights would not fit twice (the free memory reported as none): the eager outputs are
+    computed, the eager model goes to the host, the bundle loads and every method passes against them."""
+    from runner.export import self_check
+    from runner.export.checkpoint import load_checkpoint
+    from runner.export.pipeline import ExportOptions
+    from runner.export.voxtral import export_voxtral
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 80 << 30))
+    model, source, tekken = load_checkpoint(tiny_checkpoint)
+    opts = ExportOptions(device="cuda", dtype="bf16", max_audio_chunks=1, max_seq_len=1024, cache_dir=CACHE)
+    report = export_voxtral(model, source, tekken, tmp_path / "tiny", opts)
+    assert report.max_error and all(e <= self_check.TOLERANCE[torch.bfloat16] for e in report.max_error.values())
+    assert {p.device.type for p in model.parameters()} == {"cpu"}

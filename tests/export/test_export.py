@@ -23,6 +23,7 @@ from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METH
 from runner.digests import sha256_file
 from runner.errors import DelegateError, ExportError
 from runner.export import pipeline as exporter
+from runner.export import self_check
 from runner.export.checkpoint import load_checkpoint
 from runner.export.pipeline import ExportOptions
 from runner.export.voxtral import export_voxtral, family_key
@@ -389,7 +390,7 @@ def test_reexport_hits_the_compile_cache(tiny_bundle, tiny_checkpoint, tmp_path)
         for rel in (m.methods[name].library, m.methods[name].weights):
             assert again.files[rel] == m.files[rel], rel
     assert set(report.max_error) == {*METHOD_NAMES, STEP_METHOD}
-    assert all(e <= exporter.TOLERANCE[torch.float32] for e in report.max_error.values())
+    assert all(e <= self_check.TOLERANCE[torch.float32] for e in report.max_error.values())
     assert _leftovers(tmp_path) == []
 
 
@@ -496,7 +497,7 @@ def test_failed_self_check_keeps_the_previous_bundle(tiny_bundle, tiny_checkpoin
     def fail(*a, **k):
         raise ExportError("self-check says no")
 
-    monkeypatch.setattr(exporter, "self_check", fail)
+    monkeypatch.setattr(self_check, "compare", fail)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     with pytest.raises(ExportError, match="self-check says no"):
         export_voxtral(model, source, tekken, out, ExportOptions())
@@ -508,15 +509,14 @@ def test_failed_self_check_keeps_the_previous_bundle(tiny_bundle, tiny_checkpoin
 def test_self_check_mismatch_aborts_and_publishes_nothing(tiny_bundle, tiny_checkpoint, tmp_path, monkeypatch):
     """The real self-check, with the eager audio encoder changed after the weights were written: it must see
     the difference, name the method, and publish nothing."""
-    real = exporter.self_check
+    real = self_check.eager_outputs
 
-    def tampered(program, plan, model, dtype):
-        if plan.name == "audio_encoder":
-            with torch.no_grad():
-                model.multi_modal_projector.linear_2.weight.mul_(1.01)
-        return real(program, plan, model, dtype)
+    def tampered(plans, model):
+        with torch.no_grad():
+            model.multi_modal_projector.linear_2.weight.mul_(1.01)
+        return real(plans, model)
 
-    monkeypatch.setattr(exporter, "self_check", tampered)
+    monkeypatch.setattr(self_check, "eager_outputs", tampered)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     out = tmp_path / "tiny"
     with pytest.raises(ExportError, match=r"audio_encoder: exported output differs from eager"):
@@ -526,7 +526,7 @@ def test_self_check_mismatch_aborts_and_publishes_nothing(tiny_bundle, tiny_chec
 
 
 def test_zero_tolerance_fails_the_self_check(tiny_bundle, tiny_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setitem(exporter.TOLERANCE, torch.float32, 0.0)
+    monkeypatch.setitem(self_check.TOLERANCE, torch.float32, 0.0)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
     out = tmp_path / "tiny"
     with pytest.raises(ExportError, match="differs from eager"):

@@ -4,6 +4,10 @@ H200: the 3B's heads (32 query, 8 KV, head 128) at each prompt length, our op ov
 count the causal half (each query against its own and earlier positions); errors are against the math backend in
 float32, relative to the output's scale.
 
+Then the audio encoder's attention (bidirectional, 20 heads of 64 over each 30 s chunk's 1500 positions) by each
+SDPA backend at 1 and 20 chunks: the exported encoder calls SDPA, and the backend the export picks is the one
+`sdpa default` runs here.
+
     python benchmarks/prefill_attention.py --lengths 385,2000,7510 --max-seq 10240 --out prefill.json
 """
 
@@ -19,7 +23,7 @@ from profile_decode import graph_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runner.export import kernels_prefill as KP
-from runner.models.voxtral_config import TextConfig
+from runner.models.voxtral_config import AudioConfig, TextConfig
 
 DEV, BF16 = "cuda", torch.bfloat16
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the table's first, then the Triton tutorial's Hopper candidates
@@ -64,35 +68,74 @@ def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
     return rows
 
 
+def encoder_chunks(a: AudioConfig, chunks: int) -> list[dict]:
+    t, h = a.max_source_positions, a.n_heads
+    d = a.dim // h
+    q, k, v = (torch.randn(chunks, h, t, d, dtype=BF16, device=DEV) for _ in range(3))
+    flop = 4 * chunks * h * d * t * t
+
+    def sdpa(backend=None, q=q, k=k, v=v):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    ref = sdpa(SDPBackend.MATH, q.float(), k.float(), v.float())
+    return [timed("sdpa default", sdpa, ref, flop)] + [
+        timed(f"sdpa {b.name}", lambda b=b: sdpa(b), ref, flop) for b in BACKENDS
+    ]
+
+
+def exported_attention(a: AudioConfig) -> list[str]:
+    """The SDPA op torch.export puts in the encoder's attention on this GPU (what AOTInductor then calls)."""
+    from runner.models.voxtral import EncoderAttention
+
+    m = EncoderAttention(a.dim, a.n_heads).to(DEV, BF16)
+    x = torch.randn(1, a.max_source_positions, a.dim, dtype=BF16, device=DEV)
+    graph = torch.export.export(m, (x,)).run_decompositions().graph
+    return sorted({str(n.target) for n in graph.nodes if "attention" in str(n.target)})
+
+
+def report(what: str, rows: list[dict]) -> None:
+    for r in sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"]):
+        print(
+            f"{what}: {r['who']:<32} {r['ms']:8.3f} ms {r['tflops']:5.0f} TFLOP/s, rel err {r['rel_err']:.1e}",
+            flush=True,
+        )
+    for r in rows:
+        if "error" in r:
+            print(f"{what}: {r['who']} failed: {r['error']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="385,2000,7510", help="prompt lengths (30 s: 385; 10 minutes: 7510)")
     ap.add_argument("--max-seq", type=int, default=10240, help="the caches' positions (the 10-minute bundle's)")
+    ap.add_argument("--encoder-chunks", default="1,20", help="the audio encoder's attention at these chunk counts")
     ap.add_argument("--out", default=None, help="JSON of every row")
     args = ap.parse_args()
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
+        chunk_counts = [int(x) for x in args.encoder_chunks.split(",") if x]
     except ValueError:
-        ap.error(f"--lengths: comma-separated integers, got {args.lengths!r}")
+        ap.error(
+            f"--lengths, --encoder-chunks: comma-separated integers, got {args.lengths!r}, {args.encoder_chunks!r}"
+        )
     if not all(1 <= n <= args.max_seq for n in lengths):
         ap.error(f"--lengths: 1 to --max-seq ({args.max_seq}) positions each")
     c = TextConfig()
     kc, vc = (torch.randn(1, c.n_kv_heads, args.max_seq, c.head_dim, dtype=BF16, device=DEV) for _ in range(2))
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "lengths": {}}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "lengths": {}, "encoder": {}}
     try:
         for s in lengths:
-            rows = one_length(c, kc, vc, s)
-            results["lengths"][s] = rows
-            ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-            for r in ok:
-                print(
-                    f"prefill attention, {s} positions: {r['who']:<32} {r['ms']:8.3f} ms {r['tflops']:5.0f} "
-                    f"TFLOP/s, rel err {r['rel_err']:.1e}",
-                    flush=True,
-                )
-            for r in rows:
-                if "error" in r:
-                    print(f"prefill attention, {s} positions: {r['who']} failed: {r['error']}", flush=True)
+            results["lengths"][s] = rows = one_length(c, kc, vc, s)
+            report(f"prefill attention, {s} positions", rows)
+        for n in chunk_counts:
+            results["encoder"][n] = rows = encoder_chunks(AudioConfig(), n)
+            report(f"encoder attention, {n} chunks", rows)
+        if chunk_counts:
+            results["encoder_exported"] = ops = exported_attention(AudioConfig())
+            print(f"encoder attention, as exported: {', '.join(ops) or 'written out'}", flush=True)
     finally:
         if args.out:
             with open(args.out, "w") as f:

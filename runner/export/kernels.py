@@ -252,6 +252,14 @@ def split_range(pos, s, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def active_splits(pos, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """How many of split_range's slices of [0, pos] hold a position: the first ones (the rest are empty)."""
+    n_valid = pos + 1
+    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
+    return tl.cdiv(n_valid, per)
+
+
+@triton.jit
 def attend_positions(
     q, k_ptr, v_ptr, start, end, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SM_SCALE: tl.constexpr
 ):
@@ -318,6 +326,9 @@ def _attention_kernel(
     j = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
+    active = active_splits(pos, SPLITS, BLOCK_T)
+    if s >= active:  # no positions here: gone before the PDL wait, the merge counts only the active splits
+        return
     h = tl.arange(0, BLOCK_H)
     h_ok = h < REP
     d = tl.arange(0, D)
@@ -349,7 +360,7 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
         m = m_new
 
-    if SPLITS == 1:
+    if active == 1:  # one split holds every position (always so with SPLITS 1): no partials, no merge
         rows = (j * REP + h)[:, None] * D + d[None, :]
         tl.store(out_ptr + rows, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
     else:
@@ -358,15 +369,17 @@ def _attention_kernel(
         tl.store(l_ptr + part, denom)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
         tl.debug_barrier()  # every thread's partials stored before the count says so
-        if tl.atomic_add(count_ptr + count_offset + j, 1, sem="acq_rel") == SPLITS - 1:
+        if tl.atomic_add(count_ptr + count_offset + j, 1, sem="acq_rel") == active - 1:
             tl.store(count_ptr + count_offset + j, 0)  # the count back to zero: the buffer is ready for the next step
             sp = tl.arange(0, SPLITS)
             r = tl.arange(0, REP_P2)  # the real query rows only (BLOCK_H pads them for tl.dot)
             parts = (j * SPLITS + sp)[:, None] * BLOCK_H + r[None, :]  # [SPLITS, REP_P2]
-            ms = tl.load(m_ptr + parts, cache_modifier=".cg")
+            on = (sp < active)[:, None]  # the inactive splits wrote nothing
+            ms = tl.load(m_ptr + parts, mask=on, other=float("-inf"), cache_modifier=".cg")
             w = tl.exp(ms - tl.max(ms, axis=0)[None, :])  # an empty split (m = -inf) weighs nothing
-            total = tl.sum(tl.load(l_ptr + parts, cache_modifier=".cg") * w, axis=0)
-            accs = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], cache_modifier=".cg")
+            total = tl.sum(tl.load(l_ptr + parts, mask=on, other=0.0, cache_modifier=".cg") * w, axis=0)
+            accs = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], mask=on[:, :, None], other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
             o = tl.sum(accs * w[:, :, None], axis=0) / total[:, None]
             out_rows = (j * REP + r)[:, None] * D + d[None, :]
             tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])

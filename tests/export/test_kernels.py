@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_env import DEV, DOT_DTYPE  # before the kernels: on a CPU machine they are interpreted
+from kernel_env import DEV, DOT_DTYPE, on_h200_target  # before the kernels: on a CPU machine they are interpreted
 
 pytest.importorskip("triton")
 
@@ -180,3 +180,36 @@ def test_decode_step_module_only_where_attention_can_tile(head_dim, kernels):
     m = Voxtral(replace(c, text=text))
     assert isinstance(decode_step_module(m, "cuda"), DecodeStep) == kernels
     assert not isinstance(decode_step_module(m, "cpu"), DecodeStep)
+
+
+ATTENTION_COMPILE = r"""
+from runner.export import kernels as K
+
+consts = {"SM_SCALE": 128**-0.5, "H": 32, "H_KV": 8, "D": 128, "BLOCK_H": 16, "REP_P2": 4, "BLOCK_T": 128,
+          "SPLITS": 16, "PDL": True}
+ptrs = ("qkv_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr", "pos_ptr", "count_ptr", "m_ptr", "l_ptr", "acc_ptr",
+        "out_ptr")
+types = {"pos_ptr": "*i64", "count_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+sig = {**{p: types.get(p, "*bf16") for p in ptrs}, "count_offset": "i32", "max_seq": "i32",
+       **dict.fromkeys(consts, "constexpr")}
+names = K._attention_kernel.arg_names
+attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
+k = triton.compile(ASTSource(K._attention_kernel, sig, consts, attrs), target=H200, options={"num_warps": 4})
+ptx = k.asm["ptx"]
+code = [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith((".loc", "//"))]
+first_branch = next(i for i, line in enumerate(code) if " bra" in line)
+target = code[first_branch].split()[-1].rstrip(";")
+print(json.dumps({
+    "exit_before_wait": first_branch < next(i for i, line in enumerate(code) if "griddepcontrol.wait" in line),
+    "to_ret": code[code.index(target + ":") + 1] == "ret;",
+    "atomic": "atom." in ptx, "shared": k.metadata.shared,
+}))
+"""
+
+
+def test_the_long_cache_attention_compiles_for_the_h200_with_its_early_exit():
+    """The 10-minute bundle's attention (16 splits, PDL) compiled for sm_90 by Triton here: the splits past the
+    position's last branch to the exit before the PDL wait (they hold no SM slot while the qkv GEMV runs), the
+    others merge through the atomic count."""
+    got = on_h200_target(ATTENTION_COMPILE)
+    assert got["exit_before_wait"] and got["to_ret"] and got["atomic"] and got["shared"] <= 227 * 1024

@@ -7,12 +7,15 @@ calls on the bundle's buffers) against the bf16 kernels.
 3. step: the whole decode step (30 layers + lm_head) in one CUDA graph: bf16 and int4 DecodeStep (the int4 one as
    eager torch around tinygemm: more launches than the exported step, where Inductor fuses the epilogues); each
    step's logits against its written-out decoder at S = 1.
-4. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
+4. prefill: each kind at a prompt's M rows (385: 30 s; 7510: 10 minutes) over the 30 layers: tinygemm, the
+   dequantised weight then a bf16 matmul (what the int4 prefill runs), and the bf16 matmul alone (the floor).
+5. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
    bf16 step decodes greedily; int4 prefills the same prompt (torch dequant) and steps through the same tokens
    with tinygemm. Also the prompt's positions (all logits, both models in torch), and bf16's own step against
    its written-out decoder (the kernels' rounding alone).
 
     python benchmarks/int4_kernels.py --parts check,gemv,step,agree --out int4.json      (GPU; about 3 minutes)
+    python benchmarks/int4_kernels.py --parts prefill --rows 385,7510
 """
 
 from __future__ import annotations
@@ -136,6 +139,27 @@ def part_gemv(cs, results) -> None:
               f"{o['bf16_us_per_call']:.1f} us {o['bf16_tb_s']:.2f} TB/s", flush=True)  # fmt: skip
 
 
+def part_prefill(cs, results, rows: list[int]) -> None:
+    """A prompt's rows through each kind's 30 layers (ms for all 30): tinygemm, dequantise + bf16 matmul, bf16."""
+    out = results["prefill"] = {}
+    for kind, (x, lins, ws, _launch_bf16) in cs.items():
+        if kind.endswith("lm_head"):  # the prefill's lm_head takes the last row only (tinygemm, as a step)
+            continue
+        for m_rows in rows:
+            xm = x[None].expand(m_rows, -1).contiguous()
+            ms = {
+                "tinygemm": graph_ms(lambda lins=lins, xm=xm: [lin.tinygemm(xm) for lin in lins], 5),
+                "dequant_mm": graph_ms(
+                    lambda lins=lins, xm=xm: [F.linear(xm, lin.dequantize(BF16)) for lin in lins], 5
+                ),
+                "bf16_mm": graph_ms(lambda ws=ws, xm=xm: [F.linear(xm, w) for w in ws], 5),
+            }
+            err = rel(lins[0].tinygemm(xm), F.linear(xm, lins[0].dequantize(BF16)))
+            out[f"{kind} M={m_rows}"] = {**{k: round(v, 4) for k, v in ms.items()}, "tinygemm_vs_dequant": err}
+            print(f"prefill {kind:16s} M={m_rows:<5d} 30 layers: tinygemm {ms['tinygemm']:.3f} ms, dequant + mm "
+                  f"{ms['dequant_mm']:.3f}, bf16 mm {ms['bf16_mm']:.3f}; tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
+
+
 def step_inputs(m: Voxtral, pos: int):
     g = torch.Generator(device=DEV).manual_seed(2)
     emb = (torch.randn(1, 1, m.config.text.dim, generator=g, device=DEV) * 0.5).to(BF16)
@@ -230,6 +254,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", default="check,gemv,step,agree")
     ap.add_argument("--fill", type=int, default=450, help="cache positions already written (step)")
+    ap.add_argument("--rows", default="385,7510", help="prompt rows for the prefill part")
     args = ap.parse_args()
     parts = args.parts.split(",")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -243,6 +268,8 @@ def main() -> None:
             with torch.no_grad():
                 if part in ("check", "gemv"):
                     {"check": part_check, "gemv": part_gemv}[part](cases(m, q), results)
+                elif part == "prefill":
+                    part_prefill(cases(m, q), results, [int(r) for r in args.rows.split(",")])
                 elif part == "step":
                     part_step(m, q, results, args.fill, pdl)
                 elif part == "agree":

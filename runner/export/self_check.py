@@ -56,6 +56,8 @@ def make_room(model: nn.Module, stage: Path, device: str) -> bool:
     if device != "cuda":
         return False
     need = sum(p.stat().st_size for p in stage.glob("*.safetensors")) + LOAD_HEADROOM
+    gc.collect()
+    torch.cuda.empty_cache()  # the compiles' cached blocks would read as taken
     free, _ = torch.cuda.mem_get_info()
     if free >= need:
         return False

@@ -27,6 +27,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from runner.export import kernels as K
 from runner.export.decode_step import DecodeStep
@@ -139,6 +141,33 @@ def part_gemv(cs, results) -> None:
               f"{o['bf16_us_per_call']:.1f} us {o['bf16_tb_s']:.2f} TB/s", flush=True)  # fmt: skip
 
 
+@triton.jit
+def _dequant_kernel(q_ptr, sz_ptr, out_ptr, N, K: tl.constexpr, J: tl.constexpr, G: tl.constexpr):
+    """A candidate (NOTES 48: the int4 prefill pays 10.5 ms of dequantisation): program (n8, kt) reads its 32 x J
+    words of tinygemm's layout once, in order, and writes the 8 rows x 32 J columns they hold (quant_linear's
+    docstring: lane 4 r + c, nibble 4 lo + 2 tile + half, column 32 j + 16 tile + 8 half + 2 c + lo)."""
+    n8, kt = tl.program_id(0), tl.program_id(1)
+    lane = tl.arange(0, 32)[:, None, None]
+    j = tl.arange(0, J)[None, :, None]
+    nib = tl.arange(0, 8)[None, None, :]
+    word = tl.load(q_ptr + ((n8 * (K // (32 * J)) + kt) * 32 + lane) * J + j)  # [32, J, 1]
+    code = (word >> (4 * nib)) & 0xF  # [32, J, 8]
+    c, lo, tile, half = lane % 4, nib // 4, (nib // 2) % 2, nib % 2
+    row = (n8 * 8 + lane // 4).to(tl.int64)
+    col = kt * (32 * J) + 32 * j + 16 * tile + 8 * half + 2 * c + lo
+    sz = sz_ptr + ((col // G) * N + row) * 2
+    w = (code.to(tl.float32) - 8.0) * tl.load(sz).to(tl.float32) + tl.load(sz + 1).to(tl.float32)
+    tl.store(out_ptr + row * K + col, w.to(out_ptr.dtype.element_ty))
+
+
+def triton_dequantize(lin: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+    n8, kt, _, j = lin.qweight.shape
+    out = torch.empty(lin.out_features, lin.in_features, dtype=dtype, device=lin.qweight.device)
+    _dequant_kernel[(n8, kt)](lin.qweight, lin.scales_and_zeros, out, lin.out_features, lin.in_features, j,
+                              lin.group_size, num_warps=4)  # fmt: skip
+    return out
+
+
 def part_prefill(cs, results, rows: list[int]) -> None:
     """A prompt's rows through each kind's 30 layers (ms for all 30): tinygemm, dequantise + bf16 matmul, bf16."""
     out = results["prefill"] = {}
@@ -154,12 +183,18 @@ def part_prefill(cs, results, rows: list[int]) -> None:
                 "dequant_mm": graph_ms(
                     lambda lins=lins, xm=xm: [F.linear(xm, deq(q.qweight, q.scales_and_zeros, BF16)) for q in lins], 5
                 ),
+                "triton_dequant_mm": graph_ms(
+                    lambda lins=lins, xm=xm: [F.linear(xm, triton_dequantize(q, BF16)) for q in lins], 5
+                ),
                 "bf16_mm": graph_ms(lambda ws=ws, xm=xm: [F.linear(xm, w) for w in ws], 5),
             }
             err = rel(lins[0].tinygemm(xm), F.linear(xm, lins[0].dequantize(BF16)))
-            out[f"{kind} M={m_rows}"] = {**{k: round(v, 4) for k, v in ms.items()}, "tinygemm_vs_dequant": err}
+            same = torch.equal(triton_dequantize(lins[0], BF16), lins[0].dequantize(BF16))
+            out[f"{kind} M={m_rows}"] = {**{k: round(v, 4) for k, v in ms.items()}, "tinygemm_vs_dequant": err,
+                                         "triton_dequant_equal": same}  # fmt: skip
             print(f"prefill {kind:16s} M={m_rows:<5d} 30 layers: tinygemm {ms['tinygemm']:.3f} ms, dequant + mm "
-                  f"{ms['dequant_mm']:.3f}, bf16 mm {ms['bf16_mm']:.3f}; tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
+                  f"{ms['dequant_mm']:.3f} (Triton's {ms['triton_dequant_mm']:.3f}, equal: {same}), bf16 mm "
+                  f"{ms['bf16_mm']:.3f}; tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
 
 
 def step_inputs(m: Voxtral, pos: int):

@@ -181,6 +181,16 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path):
 
 
 def test_ctrl_c_during_a_write_finishes_the_line_then_stops(tmp_path, monkeypatch):
+    # Python's own Ctrl-C handler, whatever this process inherited: a shell's background job starts with SIGINT
+    # ignored, and an ignored Ctrl-C rightly stays ignored after the write
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_write(tmp_path, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_write(tmp_path, monkeypatch):
     out = ResultsFile.open(tmp_path / "results.jsonl")
     real_fsync = os.fsync
 

@@ -25,6 +25,7 @@ REPOSITORY = "local/voxtral-aoti-runner"  # what checkout is told; git maps its 
 UPLOADED = re.compile(r"\[(?P<job>[^\]]+)\].*SHA256 digest of uploaded artifact zip is (?P<sha>[0-9a-f]{64})")
 DOWNLOADED = re.compile(r"\[(?P<job>[^\]]+)\].*SHA256 digest of downloaded artifact is (?P<sha>[0-9a-f]{64})")
 _JOB = re.compile(r"^  (?P<name>[A-Za-z0-9_-]+):\s*$")
+NOX_PIN = re.compile(r'^\s*NOX_VERSION:\s*"?(?P<version>[^"\s]+)"?\s*$', re.M)  # the workflow's env
 _USES = re.compile(r"uses:\s*(?P<repo>actions/[a-z-]+)@(?P<sha>[0-9a-f]{40})")
 
 
@@ -96,13 +97,20 @@ def local_repositories(actions: Path, workflow: str) -> list[str]:
     return flags
 
 
-def tool_cache(workdir: Path) -> Path:
-    """setup-python's tool cache in host mode: this Python as a venv at Python/<version>/x64 (+ x64.complete)."""
+def tool_cache(workdir: Path, workflow_text: str) -> Path:
+    """setup-python's tool cache in host mode: this Python as a venv at Python/<version>/x64 (+ x64.complete),
+    with the workflow's nox already in it. On GitHub each job has a Python of its own; here the jobs share this
+    one, and matrix cells running at once each pip-installing nox into it raced (seen: one cell imported `attrs`
+    while another rewrote it). With nox there first, each job's install step only finds it satisfied."""
     version = ".".join(map(str, sys.version_info[:3]))
     root = workdir / "action-cache" / "tool_cache"
     python = root / "Python" / version / "x64"
     if not (python / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(python)], check=True)
+    pin = NOX_PIN.search(workflow_text)
+    if pin:
+        nox = f"nox=={pin.group('version')}"
+        subprocess.run([str(python / "bin" / "python"), "-m", "pip", "install", "-q", nox], check=True)
     (root / "Python" / version / "x64.complete").touch()
     return root
 
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd += ["--cache-server-path", str(work / "cache-server")]
     if not docker_daemon():
         cmd += ["-P", "ubuntu-latest=-self-hosted"]  # no docker daemon: steps run on this host
-        tool_cache(work)
+        tool_cache(work, text)
     if args.actions is not None:
         cmd += [*local_repositories(actions_dir(args.actions.resolve(), work), text), "--action-offline-mode"]
         index = subprocess.run(

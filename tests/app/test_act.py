@@ -88,3 +88,14 @@ def test_a_sessions_own_options_are_taken_out_in_both_spellings():
     )
     assert own == {"baseline_from": "A", "baseline_workflow": "ci.yml"} and rest == ["--json", "j"]
     assert noxfile.session_options(["--model"], model="tiny")[0] == {"model": ""}  # no value: the session says so
+
+
+def test_the_shared_tool_cache_gets_the_nox_every_install_step_pins():
+    """Host mode shares one setup-python between the jobs, so act.py installs nox there first (matrix cells
+    installing it at once raced): the version must be the one each job's `pip install "nox==${NOX_VERSION}"` asks."""
+    pinned = yaml.safe_load(CI)["env"]["NOX_VERSION"]
+    assert act.NOX_PIN.search(CI).group("version") == pinned
+    steps = [
+        s for job in yaml.safe_load(CI)["jobs"].values() for s in job.get("steps", []) if "nox==" in s.get("run", "")
+    ]
+    assert steps and all('"nox==${NOX_VERSION}"' in s["run"] for s in steps)

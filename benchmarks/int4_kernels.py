@@ -188,8 +188,9 @@ def part_prefill(cs, results, rows: list[int]) -> None:
                 ),
                 "bf16_mm": graph_ms(lambda ws=ws, xm=xm: [F.linear(xm, w) for w in ws], 5),
             }
-            err = rel(lins[0].tinygemm(xm), F.linear(xm, lins[0].dequantize(BF16)))
-            same = torch.equal(triton_dequantize(lins[0], BF16), lins[0].dequantize(BF16))
+            w0 = lins[0].dequantize(BF16)
+            err = rel(lins[0].tinygemm(xm), F.linear(xm, w0))
+            same = torch.equal(triton_dequantize(lins[0], BF16), w0)
             out[f"{kind} M={m_rows}"] = {**{k: round(v, 4) for k, v in ms.items()}, "tinygemm_vs_dequant": err,
                                          "triton_dequant_equal": same}  # fmt: skip
             print(f"prefill {kind:16s} M={m_rows:<5d} 30 layers: tinygemm {ms['tinygemm']:.3f} ms, dequant + mm "

@@ -245,18 +245,20 @@ def _rope_rows(x_ptr, rows, d, cos, sin, HALF: tl.constexpr):
 def split_range(pos, s, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
     """Split s's slice [start, end) of positions [0, pos]: SPLITS slices of whole BLOCK_T blocks (the last ones
     may be empty)."""
-    n_valid = pos + 1
-    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
+    per = _split_size(pos + 1, SPLITS, BLOCK_T)
     start = s * per
-    return start, tl.minimum(start + per, n_valid)
+    return start, tl.minimum(start + per, pos + 1)
+
+
+@triton.jit
+def _split_size(n_valid, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+    return tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
 
 
 @triton.jit
 def active_splits(pos, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
     """How many of split_range's slices of [0, pos] hold a position: the first ones (the rest are empty)."""
-    n_valid = pos + 1
-    per = tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
-    return tl.cdiv(n_valid, per)
+    return tl.cdiv(pos + 1, _split_size(pos + 1, SPLITS, BLOCK_T))
 
 
 @triton.jit

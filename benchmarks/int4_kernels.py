@@ -8,7 +8,8 @@ calls on the bundle's buffers) against the bf16 kernels.
    eager torch around tinygemm: more launches than the exported step, where Inductor fuses the epilogues); each
    step's logits against its written-out decoder at S = 1.
 4. prefill: each kind at a prompt's M rows (385: 30 s; 7510: 10 minutes) over the 30 layers: tinygemm, the
-   dequantised weight (Inductor's kernel) then a bf16 matmul (what the int4 prefill runs), and the bf16 matmul alone (the floor).
+   weight dequantised by Inductor's kernel (the int4 prefill until session 25) or by our Triton op (kernels_int4.py,
+   the prefill since) then a bf16 matmul, the bf16 matmul alone (the floor), and each dequantisation alone.
 5. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
    bf16 step decodes greedily; int4 prefills the same prompt (torch dequant) and steps through the same tokens
    with tinygemm. Also the prompt's positions (all logits, both models in torch), and bf16's own step against
@@ -27,10 +28,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from runner.export import kernels as K
+from runner.export import kernels_int4 as KI
 from runner.export.decode_step import DecodeStep
 from runner.export.quant import apply_quant
 from runner.models.quant_linear import QuantLinear, dequantize
@@ -141,33 +141,6 @@ def part_gemv(cs, results) -> None:
               f"{o['bf16_us_per_call']:.1f} us {o['bf16_tb_s']:.2f} TB/s", flush=True)  # fmt: skip
 
 
-@triton.jit
-def _dequant_kernel(q_ptr, sz_ptr, out_ptr, N, K: tl.constexpr, J: tl.constexpr, G: tl.constexpr):
-    """A candidate (NOTES 48: the int4 prefill pays 10.5 ms of dequantisation): program (n8, kt) reads its 32 x J
-    words of tinygemm's layout once, in order, and writes the 8 rows x 32 J columns they hold (quant_linear's
-    docstring: lane 4 r + c, nibble 4 lo + 2 tile + half, column 32 j + 16 tile + 8 half + 2 c + lo)."""
-    n8, kt = tl.program_id(0), tl.program_id(1)
-    lane = tl.arange(0, 32)[:, None, None]
-    j = tl.arange(0, J)[None, :, None]
-    nib = tl.arange(0, 8)[None, None, :]
-    word = tl.load(q_ptr + ((n8 * (K // (32 * J)) + kt) * 32 + lane) * J + j)  # [32, J, 1]
-    code = (word >> (4 * nib)) & 0xF  # [32, J, 8]
-    c, lo, tile, half = lane % 4, nib // 4, (nib // 2) % 2, nib % 2
-    row = (n8 * 8 + lane // 4).to(tl.int64)
-    col = kt * (32 * J) + 32 * j + 16 * tile + 8 * half + 2 * c + lo
-    sz = sz_ptr + ((col // G) * N + row) * 2
-    w = (code.to(tl.float32) - 8.0) * tl.load(sz).to(tl.float32) + tl.load(sz + 1).to(tl.float32)
-    tl.store(out_ptr + row * K + col, w.to(out_ptr.dtype.element_ty))
-
-
-def triton_dequantize(lin: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
-    n8, kt, _, j = lin.qweight.shape
-    out = torch.empty(lin.out_features, lin.in_features, dtype=dtype, device=lin.qweight.device)
-    _dequant_kernel[(n8, kt)](lin.qweight, lin.scales_and_zeros, out, lin.out_features, lin.in_features, j,
-                              lin.group_size, num_warps=4)  # fmt: skip
-    return out
-
-
 def part_prefill(cs, results, rows: list[int]) -> None:
     """A prompt's rows through each kind's 30 layers (ms for all 30): tinygemm, dequantise + bf16 matmul, bf16."""
     out = results["prefill"] = {}
@@ -184,18 +157,22 @@ def part_prefill(cs, results, rows: list[int]) -> None:
                     lambda lins=lins, xm=xm: [F.linear(xm, deq(q.qweight, q.scales_and_zeros, BF16)) for q in lins], 5
                 ),
                 "triton_dequant_mm": graph_ms(
-                    lambda lins=lins, xm=xm: [F.linear(xm, triton_dequantize(q, BF16)) for q in lins], 5
+                    lambda lins=lins, xm=xm: [F.linear(xm, KI.dequantize(q)) for q in lins], 5
                 ),
                 "bf16_mm": graph_ms(lambda ws=ws, xm=xm: [F.linear(xm, w) for w in ws], 5),
+                # the dequantisations alone (0.5 + 2 bytes per weight moved)
+                "dequant_only": graph_ms(lambda lins=lins: [deq(q.qweight, q.scales_and_zeros, BF16) for q in lins], 5),
+                "triton_dequant_only": graph_ms(lambda lins=lins: [KI.dequantize(q) for q in lins], 5),
             }
             w0 = lins[0].dequantize(BF16)
             err = rel(lins[0].tinygemm(xm), F.linear(xm, w0))
-            same = torch.equal(triton_dequantize(lins[0], BF16), w0)
+            same = torch.equal(KI.dequantize(lins[0]), w0)
             out[f"{kind} M={m_rows}"] = {**{k: round(v, 4) for k, v in ms.items()}, "tinygemm_vs_dequant": err,
                                          "triton_dequant_equal": same}  # fmt: skip
             print(f"prefill {kind:16s} M={m_rows:<5d} 30 layers: tinygemm {ms['tinygemm']:.3f} ms, dequant + mm "
                   f"{ms['dequant_mm']:.3f} (Triton's {ms['triton_dequant_mm']:.3f}, equal: {same}), bf16 mm "
-                  f"{ms['bf16_mm']:.3f}; tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
+                  f"{ms['bf16_mm']:.3f}; the dequantisation alone {ms['dequant_only']:.3f} (Triton's "
+                  f"{ms['triton_dequant_only']:.3f}); tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
 
 
 def step_inputs(m: Voxtral, pos: int):

@@ -29,6 +29,7 @@ from runner.export.pipeline import (
 from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import voxtral
+from runner.models.quant_linear import QuantLinear
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_batch import BatchDecoder, SlotCaches
 
@@ -42,6 +43,7 @@ SOURCE_FILES = (
     "export/kernels.py",
     "export/kernels_prefill.py",
     "export/kernels_batch.py",
+    "export/kernels_int4.py",
     "export/quant.py",
     "models/quant_linear.py",
 )
@@ -99,7 +101,8 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     not the cache. On CUDA through the Triton flash attention (torch 2.11 CUDA could not export the written-out
     prompt-only form for a dynamic length, benchmarks/NOTES.md item 32), with the whole-cache decoder as its
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
-    with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost."""
+    with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
+    An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA."""
     c, dev, dtype, S = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_seq_len
     tiles = _triton_tiles(model, opts.device)
     if tiles:
@@ -125,6 +128,11 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     )
     if tiles:
         plan.fallback = replace(plan, module=model.decoder(), key_extra={"fallback": "whole-cache"})
+        if any(isinstance(x, QuantLinear) for x in module.modules()):
+            from runner.export import kernels_int4  # imports Triton
+
+            # the int4 weights dequantised by the Triton op (the fallback keeps plain torch's)
+            plan.export = lambda: kernels_int4.export_dequantizing(module, plan.example, plan.dynamic_shapes)
     return plan
 
 

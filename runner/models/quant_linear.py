@@ -12,8 +12,9 @@ The layout (`pack` / `unpack`, pure torch, any device): word [n8, kt, lane, j] h
 4 lo + 2 tile + half is column 16 tile + 8 half + 2 c + lo of that pair. It is what aten's CUDA
 `_convert_weight_to_int4pack` writes (tests/cuda compares them bit for bit; tests/export mirrors its loops).
 
-Here the weight is dequantised in plain torch (the CPU methods and every prefill, where Inductor fuses the
-unpacking into one kernel ahead of the matmul: tinygemm is for small M); the CUDA decode step calls tinygemm.
+Every prefill (tinygemm is for small M) and the CPU methods dequantise the weight and multiply: in plain torch,
+or through `dequantizer` where the export sets one (the CUDA prefill's Triton op, export/kernels_int4.py: Inductor's
+kernel for the unpacking gathers each weight's word on its own); the CUDA decode step calls tinygemm.
 """
 
 from __future__ import annotations
@@ -109,9 +110,14 @@ class QuantLinear(nn.Module):
         sz = (in_features // self.group_size, out_features, 2)
         self.register_buffer("scales_and_zeros", torch.zeros(sz, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        # QuantLinear -> W in the scales' dtype, the same values as `dequantize`; None: plain torch
+        self.dequantizer = None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.qweight, self.scales_and_zeros, dtype or self.scales_and_zeros.dtype)
+        dtype = dtype or self.scales_and_zeros.dtype
+        if self.dequantizer is not None and dtype == self.scales_and_zeros.dtype:
+            return self.dequantizer(self)
+        return dequantize(self.qweight, self.scales_and_zeros, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize(x.dtype), self.bias)

@@ -14,6 +14,8 @@
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: tinygemm against float64 and the bf16 kernels, the step, agreement
+#   memory   benchmarks/memory_peak.py: one generate() on $LONG_SECONDS of speech through $BUNDLE under the
+#            allocator's history: what is alive at its peak GPU memory, by size and call site -> memory.{json,log}
 #   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up,
 #            the TTFT of the process's first file and the process's peak RSS -> firstrun.md
 #   weights  benchmarks/load_weights.py: 3B-sized weights files onto the GPU by our streamed loader, safetensors'
@@ -71,6 +73,7 @@ T_BENCH_INT4=${T_BENCH_INT4:-200}
 T_INT4=${T_INT4:-300}
 BUNDLE_INT4=${BUNDLE_INT4:-artifacts/3b-int4}
 T_LONG=${T_LONG:-420}
+T_MEMORY=${T_MEMORY:-150}
 T_REGEN=${T_REGEN:-180}
 T_WEIGHTS=${T_WEIGHTS:-240}
 T_FIRSTRUN=${T_FIRSTRUN:-300}
@@ -104,7 +107,7 @@ RT_BENCH_ARGS=${RT_BENCH_ARGS:---bench-seconds 20 --bench-steps 50 --latency-sec
 # bench's e2e setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS=(--runs 5 --warmup 2 --language en --min-new-tokens 128 --max-new-tokens 128)
 
-MODES="setup tests export bench long firstrun weights regen ab profile kernels prefill whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
+MODES="setup tests export bench long memory firstrun weights regen ab profile kernels prefill whisper soak realtime export_int4 bench_int4 int4 small24b throughput"
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -214,11 +217,9 @@ mode_bench() {
   return $rc
 }
 
-mode_long() {
-  need_bundle || { NOTE="no bundle"; return 1; }
-  local rc chunks wav=/tmp/long.wav ab
-  chunks=$(( (LONG_SECONDS + 29) / 30 ))
-  python3 - "$wav" "$LONG_SECONDS" <<'PY' || { NOTE="could not make the long audio"; return 1; }
+# long_wav PATH: $LONG_SECONDS of the fixtures' speech (with short gaps), repeated, at 16 kHz
+long_wav() {
+  python3 - "$1" "$LONG_SECONDS" <<'PY'
 import sys, numpy as np, soundfile as sf
 from runner.audio import load_audio
 parts = [load_audio(f"fixtures/audio/{n}") for n in ("speech.wav", "long_35s.flac", "speech_48k_stereo.wav")]
@@ -228,6 +229,13 @@ need = int(float(sys.argv[2]) * 16000)
 wave = np.concatenate(seq * (need // sum(map(len, seq)) + 1))[:need]
 sf.write(sys.argv[1], wave, 16000)
 PY
+}
+
+mode_long() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local rc chunks wav=/tmp/long.wav ab
+  chunks=$(( (LONG_SECONDS + 29) / 30 ))
+  long_wav "$wav" || { NOTE="could not make the long audio"; return 1; }
   run_for "$T_LONG" python3 -m runner bench --bundle "$BUNDLE" --audio "$wav" --chunks "$chunks" --runs 3 --warmup 1 \
     --language en --min-new-tokens 128 --max-new-tokens 128 --compare "$LONG_COMPARE" \
     --json "$OUT/bench_long.json" > "$OUT/bench_long.md" 2> "$OUT/bench_long.log"
@@ -248,6 +256,17 @@ PY
     cat "$OUT/bench_long_b.md"
     NOTE="$NOTE; with $LONG_AB: $([ -s "$OUT/bench_long_b.json" ] && figures "$OUT/bench_long_b.json" | paste -sd ';')"
   fi
+  return $rc
+}
+
+mode_memory() {
+  need_bundle || { NOTE="no bundle"; return 1; }
+  local rc wav=/tmp/long.wav
+  long_wav "$wav" || { NOTE="could not make the long audio"; return 1; }
+  run_for "$T_MEMORY" python3 benchmarks/memory_peak.py --bundle "$BUNDLE" --audio "$wav" --out "$OUT/memory.json" \
+    2>&1 | tee "$OUT/memory.log"
+  rc=${PIPESTATUS[0]}
+  NOTE=$(head -1 "$OUT/memory.log")
   return $rc
 }
 

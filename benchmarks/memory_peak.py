@@ -1,0 +1,111 @@
+"""What is alive on the GPU at the peak of one generate() (issue 20: the 10-minute prompt's peak is 1.1 GB over the
+weights and the cache, where an eager estimate of the prefill's activations says 0.65; NOTES.md 52).
+
+The bundle is loaded and one generate() runs untraced (graphs captured, caches warm); then one more runs under
+torch's allocator history. Replaying its allocations and frees finds the moment the most was allocated, and the
+blocks alive then are listed by size with the innermost Python frame that asked for them (an AOTInductor method's
+buffers name the runtime's call into it). GPU only.
+
+    python benchmarks/memory_peak.py --bundle artifacts/3b-long --audio long.wav --out memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from runner.audio import load_audio
+from runner.families.voxtral import Tekken, transcription_prompt
+from runner.runtime.engine import ProgramEngine
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
+from runner.runtime.options import RuntimeOptions
+from runner.runtime.program import Program
+
+MIB = 2**20
+
+
+def where(frames: list[dict]) -> str:
+    """The innermost frame in our code (runner/, benchmarks/), else the innermost Python one."""
+    py = [f for f in frames if f.get("filename", "").endswith(".py")]
+    ours = [f for f in py if "/runner/" in f["filename"] or "/benchmarks/" in f["filename"]]
+    f = (ours or py or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+
+
+def peak_blocks(events: list[dict]) -> tuple[int, list[tuple[int, str]]]:
+    """Replay alloc / free events: (the most allocated at once by them, the blocks alive at that moment)."""
+    live: dict[int, tuple[int, str]] = {}
+    cur = best = 0
+    at_best: list[tuple[int, str]] = []
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+            cur += e["size"]
+            if cur > best:
+                best, at_best = cur, list(live.values())
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            cur -= live.pop(e["addr"])[0]
+    return best, sorted(at_best, reverse=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--audio", required=True)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    program = Program.load(args.bundle, device="cuda")
+    engine = ProgramEngine(program, RuntimeOptions())
+    tok = Tekken.from_file(Path(args.bundle) / program.manifest.model["tokenizer"])
+    runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))
+    segments = transcription_prompt(tok, load_audio(args.audio), "en")
+    opts = GenerationOptions(max_new_tokens=args.new_tokens)
+    for _ in range(2):  # the prefill graph is captured at a shape's second sight: both before the traced run
+        runner.generate(segments, opts)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        runner.generate(segments, opts)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak = torch.cuda.max_memory_allocated()
+    events = [e for trace in snap["device_traces"] for e in trace]
+    traced_peak, blocks = peak_blocks(events)
+    by_site: dict[str, list[int]] = {}
+    for size, site in blocks:
+        by_site.setdefault(site, []).append(size)
+    result = {
+        "before_mib": round(base / MIB, 1),
+        "peak_mib": round(peak / MIB, 1),
+        "over_before_mib": round((peak - base) / MIB, 1),
+        "traced_peak_mib": round(traced_peak / MIB, 1),
+        "blocks_at_peak": [{"mib": round(s / MIB, 2), "site": site} for s, site in blocks[: args.top]],
+        "by_site": sorted(
+            ({"site": k, "blocks": len(v), "mib": round(sum(v) / MIB, 1)} for k, v in by_site.items()),
+            key=lambda d: -d["mib"],
+        ),
+    }
+    print(f"allocated before generate(): {result['before_mib']} MiB; its peak {result['peak_mib']} MiB "
+          f"(+{result['over_before_mib']}); the traced allocations' own peak {result['traced_peak_mib']} MiB")  # fmt: skip
+    print("alive at the peak, by site:")
+    for d in result["by_site"][:12]:
+        print(f"  {d['mib']:9.1f} MiB in {d['blocks']:4d} blocks  {d['site']}")
+    print("the largest blocks:")
+    for b in result["blocks_at_peak"]:
+        print(f"  {b['mib']:9.2f} MiB  {b['site']}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,9 @@ kernel that gathers every output's word on its own: the 3B int4 prefill took 17.
 (benchmarks/NOTES.md 48). Here a program reads its block of words once, in order, unpacks them in registers,
 reorders the codes into the weight's [rows, columns] tile and writes whole rows: 0.5 + 2 bytes per weight moved.
 
-The values are quant_linear.dequantize's bit for bit: (q - 8) * scale is exact in float32 (a 4-bit integer times a
-bf16 scale), so only the add rounds, once, and the cast to the weight's dtype once more, as there.
+With bf16 scales (the CUDA bundles') the values are quant_linear.dequantize's bit for bit: (q - 8) * scale is exact
+in float32 (a 4-bit integer times an 8-bit significand), so only the add rounds, fused or not, and the cast once
+more, as there. Float32 scales may differ by that one rounding where the GPU fuses the multiply-add.
 """
 
 from __future__ import annotations

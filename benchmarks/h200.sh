@@ -14,8 +14,9 @@
 #   export_int4  the 3B random-init bf16 bundle with --quant int4 ($EXPORT_ARGS) -> $BUNDLE_INT4 (artifacts/3b-int4)
 #   bench_int4   ours alone on $BUNDLE_INT4 -> bench_3b_int4.{json,md,log}
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: tinygemm against float64 and the bf16 kernels, the step, agreement
-#   memory   benchmarks/memory_peak.py: one generate() on $LONG_SECONDS of speech through $BUNDLE under the
-#            allocator's history: what is alive at its peak GPU memory, by size and call site -> memory.{json,log}
+#   memory   benchmarks/memory_peak.py: generate() on $LONG_SECONDS of speech through $BUNDLE, three times (a
+#            process's first, the prefill's capture, a replay) under the allocator's history: what is alive at
+#            each one's peak GPU memory, by size and call site -> memory.{json,log}
 #   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up,
 #            the TTFT of the process's first file and the process's peak RSS -> firstrun.md
 #   weights  benchmarks/load_weights.py: 3B-sized weights files onto the GPU by our streamed loader, safetensors'
@@ -34,7 +35,8 @@
 #            `bench --compare none` -> bench_24b.{json,md,log}. Its 48.5 GB of weights need the disk: our other
 #            bundles under artifacts/ (folders with a model.pte) are deleted first; the caches stay. On the GPU
 #            one copy of them at a time (the export's self-check moves the eager model to the host where the
-#            bundle's would not fit beside it), so an H100's 80 GB hold it
+#            bundle's would not fit beside it), so an H100's 80 GB hold it. On a fresh machine the export takes
+#            most of a call: run `small24b` twice, back to back (the second benches the bundle the first left)
 #   throughput  $TP_FILES (default 64) files of 30 s (the fixtures' speech, repeated) through $BUNDLE (export it with
 #            --max-batch: EXPORT_ARGS="--max-seq-len 1024 --max-audio-chunks 1 --max-batch 32") at each batch of
 #            $TP_BATCHES (default 1,8,32; 1 is the serial run), in one `bench --compare none` beside ours' headline
@@ -266,7 +268,7 @@ mode_memory() {
   run_for "$T_MEMORY" python3 benchmarks/memory_peak.py --bundle "$BUNDLE" --audio "$wav" --out "$OUT/memory.json" \
     2>&1 | tee "$OUT/memory.log"
   rc=${PIPESTATUS[0]}
-  NOTE=$(head -1 "$OUT/memory.log")
+  NOTE=$(grep '^## ' "$OUT/memory.log" | sed 's/^## //' | paste -sd ';')
   return $rc
 }
 
@@ -536,7 +538,9 @@ mode_small24b() {
     done
     rm -rf "$b"
     mkdir -p artifacts && df -h artifacts | tail -1
-    run_for 420 python3 -m runner export --preset voxtral-small-24b --random-init --device cuda --dtype bf16 \
+    # the whole mode's time: on a fresh machine the export alone took > 420 s (session 25: 326 s of compiles, then
+    # 48.5 GB written and hashed); a second `small24b` call on the warm machine benches the bundle it left
+    run_for "$T_SMALL24B" python3 -m runner export --preset voxtral-small-24b --random-init --device cuda --dtype bf16 \
       --max-seq-len 1024 --max-audio-chunks 1 --out "$b" > "$OUT/24b_export.log" 2>&1
     rc=$?
     grep -E "compiled|cached|error vs|^error" "$OUT/24b_export.log" | head -20

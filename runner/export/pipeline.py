@@ -351,6 +351,9 @@ def build_bundle(
         for p in (stage, *stage.rglob("*")):
             p.chmod(0o755 if p.is_dir() else 0o644)
         files = sorted(p.name for p in stage.iterdir() if p.is_file())
+        if progress:  # tens of seconds for a large model's weights (the 24B's 48.5 GB)
+            size = sum((stage / f).stat().st_size for f in files)
+            progress("all", f"hashing {len(files)} files ({size / 1e9:.1f} GB) for the manifest")
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             torch_version=torch.__version__,

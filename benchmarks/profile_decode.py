@@ -5,7 +5,8 @@
    gate, up separate) and fused (qkv, gate_up). This is the decode step with every non-matmul kernel removed.
 2. The bundle's decode step: graph replays back to back (GPU time per step, no host loop), and a kernel table
    from torch.profiler over replays and over direct calls.
-3. Prefill: the kernel time of preprocessor, audio_encoder and text_decoder on 30 s of audio + a 385-token prompt.
+3. Prefill: the kernel tables of audio_encoder and of text_decoder's prefill, direct calls, on --chunks x 30 s of
+   audio (1: the headline's 385-token prompt; 20: 10 minutes, 7510 tokens).
 4. Time to first token: one runner.generate() on speech.wav (the bench's e2e figure), host and device on one
    clock: the GPU's busy time, and its idle gaps with the host event running in each (where the time goes
    beyond the kernels).
@@ -138,12 +139,45 @@ def ttft_timeline(engine: ProgramEngine, tok: Tekken, gaps: int = 12) -> None:
     print()
 
 
+def profile_prefill(engine: ProgramEngine, chunks: int, acts) -> None:
+    """Part 3 at `chunks` x 30 s of audio (a prompt of 375 per chunk + 10 text tokens): the kernel tables of the
+    encoder's call and of the text_decoder's prefill, each called directly after three warm-up runs."""
+    g = torch.Generator().manual_seed(0)
+    wave = (torch.randn(chunks * N_SAMPLES, generator=g) * 0.1).cuda()
+    ids = torch.randint(0, 1000, (1, 10), generator=g).cuda()
+    mel = to_encoder_dtype(engine.preprocess(wave), engine.encoder_dtype)
+    audio = engine.encode(mel)
+    embeds = torch.cat([engine.embed(ids[:, :3]), audio, engine.embed(ids[:, 3:])], dim=1)
+    pos = torch.arange(embeds.shape[1], device="cuda")
+    for name, fn in (
+        ("audio_encoder", lambda: engine.encode(mel)),
+        ("text_decoder", lambda: engine.decode(embeds, pos)),
+    ):
+        for _ in range(3):
+            engine.reset()
+            fn()
+        engine.reset()
+        torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            fn()
+            torch.cuda.synchronize()
+        what = f"{chunks} chunk(s)" if name == "audio_encoder" else f"a prefill of {embeds.shape[1]} tokens"
+        kernel_table(prof, 1, f"{name}, {what}, direct call", 30)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("bundle")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-ceilings", action="store_true", help="skip part 1 (the GEMV ceilings)")
     p.add_argument("--no-pdl", action="store_true", help="plain graph edges even where the kernels wait")
+    p.add_argument(
+        "--chunks",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1],
+        help="part 3's audio lengths in 30 s chunks, comma-separated (the bundle must take the most): 1 = the "
+        "headline's 385-token prompt, 20 = 10 minutes",
+    )
     args = p.parse_args()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
@@ -154,24 +188,8 @@ def main() -> int:
     engine = ProgramEngine(program, RuntimeOptions(pdl=not args.no_pdl))
     engine.reset()  # captures the decode graph
     tok = engine.graph.token
-    g = torch.Generator().manual_seed(0)
-    wave = (torch.randn(N_SAMPLES, generator=g) * 0.1).cuda()
-    ids = torch.randint(0, 1000, (1, 10), generator=g).cuda()
-
-    def prefill():
-        mel = engine.preprocess(wave)
-        audio = engine.encode(to_encoder_dtype(mel, engine.encoder_dtype))
-        embeds = torch.cat([engine.embed(ids[:, :3]), audio, engine.embed(ids[:, 3:])], dim=1)
-        return engine.decode(embeds, torch.arange(embeds.shape[1], device="cuda"))
-
-    for _ in range(3):
-        engine.reset()
-        prefill()
-    torch.cuda.synchronize()
-    with profile(activities=acts) as prof:
-        prefill()
-        torch.cuda.synchronize()
-    kernel_table(prof, 1, "prefill (preprocessor + audio_encoder + 2 embeddings + text_decoder over 385 tokens)", 30)
+    for chunks in args.chunks:
+        profile_prefill(engine, chunks, acts)
 
     pos = 385
     for _ in range(5):

@@ -44,6 +44,7 @@ def timed(who: str, fn, ref, flop: float, **extra) -> dict:
 def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
     rep, d, kv = c.n_heads // c.n_kv_heads, c.head_dim, c.n_kv_heads
     q = torch.randn(1, kv, s * rep, d, dtype=BF16, device=DEV)  # as the model folds it: row r is position r // rep
+    start = torch.arange(s, device=DEV)  # the prompt's positions: from 0
     qh = q.view(kv, s, rep, d).transpose(1, 2).reshape(1, kv * rep, s, d)  # SDPA's layout, made before timing
     kh, vh = kc[:, :, :s], vc[:, :, :s]
     flop = 4 * c.n_heads * d * s * (s + 1) / 2
@@ -57,7 +58,7 @@ def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
 
     ref = sdpa(SDPBackend.MATH, qh.float(), kh.float(), vh.float())
     rows = [
-        timed(f"ours {cfg}", lambda cfg=cfg: KP._launch_prefill(q, kc, vc, rep, cfg), ref, flop, config=cfg)
+        timed(f"ours {cfg}", lambda cfg=cfg: KP._launch_prefill(q, kc, vc, start, rep, cfg), ref, flop, config=cfg)
         for cfg in GRID
     ]
     rows += [timed(f"sdpa {b.name}", lambda b=b: sdpa(b), ref, flop) for b in BACKENDS]

@@ -26,7 +26,7 @@ _MODEL_REQUIRED = ("config", "max_seq_len", "tokenizer", "special_tokens")
 _CHUNKED = ("max_audio_chunks", "tokens_per_chunk")
 FAMILY_REQUIRED = {"voxtral": _CHUNKED, "whisper": _CHUNKED}
 _POSITIVE = ("max_seq_len", "max_audio_chunks", "n_mels", "max_recording_chunks", "max_batch")
-_FLAGS = ("pdl", "multilingual")
+_FLAGS = ("pdl", "multilingual", "prefill_pieces")
 _NAMES = ("family", "tokenizer_type")
 # config.text / config.audio: the sizes `inspect` shows (required) and the others (checked when present)
 _CONFIG_REQUIRED = {"text": ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), "audio": ("dim", "n_layers")}

@@ -56,6 +56,7 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
     console.print(capacity_line(m), highlight=False)
     if m.get("family", "voxtral") == "voxtral":
         console.print(batch_line(m), highlight=False)
+        console.print(prefill_line(m), highlight=False)
     console.print(quant_line(m.get("quant")), highlight=False)
     for name, why in (m.get("fallbacks") or {}).items():  # export compiled a plan's fallback (pipeline.build_bundle)
         console.print(f"{name}: its fallback was compiled (the first did not compile: {why})", highlight=False)
@@ -94,6 +95,13 @@ def batch_line(model: dict) -> str:
     if n > 1:
         return f"batch: up to {n} files decoded at once (text_decoder_batch; run --batch N, N <= {n})"
     return "batch: one file at a time (export with --max-batch N to decode N at once)"
+
+
+def prefill_line(model: dict) -> str:
+    """Whether text_decoder takes a prompt in pieces (manifest `prefill_pieces`; bundles from before it: no)."""
+    if model.get("prefill_pieces"):
+        return "prefill: in one call, or in pieces of T tokens with run/bench --prefill-chunk T (less GPU memory)"
+    return "prefill: in one call (its attention starts at position 0)"
 
 
 def capacity_line(model: dict) -> str:

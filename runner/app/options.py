@@ -80,6 +80,15 @@ def add_runtime_flags(p: argparse.ArgumentParser, encoder: bool = True) -> None:
             help="run audio_encoder on at most N 30 s chunks per call (default 0: all of a prompt's chunks at "
             "once); less GPU memory for long audio, the same transcript",
         )
+        p.add_argument(
+            "--prefill-chunk",
+            type=_tokens,
+            default=0,
+            metavar="T",
+            help="prefill a prompt in pieces of at most T tokens (default 0: in one call), each attending to the "
+            "ones before it; less GPU memory for long audio, the same transcript (CUDA bundles exported since "
+            "session 25)",
+        )
     p.add_argument("--rehash", action="store_true", help="hash every bundle file again (ignore remembered digests)")
 
 
@@ -93,11 +102,22 @@ def _chunks(text: str) -> int:
     return n
 
 
+def _tokens(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of tokens, 0 or more")
+    return n
+
+
 def runtime_options(args: argparse.Namespace, env: Environment) -> RuntimeOptions:
     return RuntimeOptions(
         cuda_graph=not getattr(args, "no_cuda_graph", False),
         warm_up=not getattr(args, "no_warm_up", False),
         encoder_chunks=getattr(args, "encoder_chunks", 0),
+        prefill_chunk=getattr(args, "prefill_chunk", 0),
         pdl=env.pdl and not getattr(args, "no_pdl", False),
         rehash=env.rehash or getattr(args, "rehash", False),
         cache_dir=env.cache_dir,

@@ -74,6 +74,7 @@ def _prefill_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    pos_ptr,
     out_ptr,
     n_rows,
     kv_stride_h,
@@ -83,8 +84,9 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Program (KV head j, query block i): rows [i * BLOCK_M, +BLOCK_M) of head j's folded queries against
-    positions [0, the block's last position]; each row masked to positions <= its own.
+    """Program (KV head j, query block i): rows [i * BLOCK_M, +BLOCK_M) of head j's folded queries, at positions
+    p0 + row // REP (p0 = pos_ptr[0]: the prompt's first position, 0 unless it comes in pieces), against positions
+    [0, the block's last position]; each row masked to positions <= its own.
 
     The blocks run last-first: a block's work grows with its position (causal), so the longest start first and
     the grid's tail is short ones. Tiles below the block's first position are visible to all its rows and skip
@@ -93,14 +95,15 @@ def _prefill_attention_kernel(
     i = tl.num_programs(1) - 1 - tl.program_id(1)
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
-    q_pos = rows // REP
+    p0 = tl.load(pos_ptr)
+    q_pos = p0 + rows // REP
     d = tl.arange(0, D)
     q_base = j.to(tl.int64) * n_rows * D
     q = tl.load(q_ptr + q_base + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     kv_base = j.to(tl.int64) * kv_stride_h
     # positions this block needs: up to its last real row's (rows past n_rows are padding and never stored)
-    end = (tl.minimum(i * BLOCK_M + BLOCK_M, n_rows) - 1) // REP + 1
-    lo = (i * BLOCK_M // REP) // BLOCK_N * BLOCK_N  # below the block's first position: no row masks anything
+    end = p0 + (tl.minimum(i * BLOCK_M + BLOCK_M, n_rows) - 1) // REP + 1
+    lo = (p0 + i * BLOCK_M // REP) // BLOCK_N * BLOCK_N  # below the block's first position: no row masks anything
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -117,7 +120,7 @@ def _prefill_attention_kernel(
     tl.store(out_ptr + q_base + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _launch_prefill(q, k_cache, v_cache, rep, config=None):
+def _launch_prefill(q, k_cache, v_cache, cache_position, rep, config=None):
     _, n_kv, n_rows, d = q.shape
     block_m, block_n, warps, stages = config or prefill_config(d)
     out = torch.empty_like(q)
@@ -125,6 +128,7 @@ def _launch_prefill(q, k_cache, v_cache, rep, config=None):
         q,
         k_cache,
         v_cache,
+        cache_position,
         out,
         n_rows,
         k_cache.stride(1),
@@ -140,13 +144,16 @@ def _launch_prefill(q, k_cache, v_cache, rep, config=None):
 
 
 @triton_op("voxtral::prefill_attention", mutates_args={})
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rep: int) -> torch.Tensor:
-    """A prompt's causal attention, from position 0: q [1, H_kv, S * rep, D] contiguous (RoPE applied, query heads
-    folded), k_cache/v_cache [1, H_kv, max_seq, D] holding the prompt's keys and values at [0, S) -> [1, H_kv,
-    S * rep, D] in q's dtype. Nothing past position S - 1 is read."""
-    return _launch_prefill(q, k_cache, v_cache, rep)
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor, rep: int
+) -> torch.Tensor:
+    """A prompt's causal attention: q [1, H_kv, S * rep, D] contiguous (RoPE applied, query heads folded) at
+    positions cache_position = [p0, p0 + S) (p0 = 0 but for a prompt in pieces), k_cache/v_cache [1, H_kv, max_seq,
+    D] holding keys and values at [0, p0 + S) -> [1, H_kv, S * rep, D] in q's dtype. Nothing past position
+    p0 + S - 1 is read."""
+    return _launch_prefill(q, k_cache, v_cache, cache_position, rep)
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rep: int) -> torch.Tensor:
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position, rep: int) -> torch.Tensor:
     """The model's hook (TextDecoder's `attend`): this op, as one node in the exported graph."""
-    return torch.ops.voxtral.prefill_attention(q, k_cache, v_cache, rep)
+    return torch.ops.voxtral.prefill_attention(q, k_cache, v_cache, cache_position, rep)

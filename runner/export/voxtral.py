@@ -302,6 +302,9 @@ def export_voxtral(
         "special_tokens": special,
         "pdl": decode_kernels_wait(opts.device, opts.pdl),
         "max_batch": opts.max_batch,  # > 1: text_decoder_batch decodes up to this many sequences at once
+        # text_decoder takes a prompt from any position (in pieces, `--prefill-chunk`): on CUDA its attention is
+        # the op over the cache's [0, position] or the whole-cache decoder; the CPU's attends to the prompt alone
+        "prefill_pieces": torch.device(opts.device).type == "cuda",
     }
     plans = plan_methods(model, opts)
     return build_bundle(model, plans, source, tekken_path, meta, out, opts, progress, family_key(opts))

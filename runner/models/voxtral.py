@@ -150,9 +150,9 @@ class Attention(nn.Module):
         cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
         q = q.reshape(b, kv, s * rep, d)
         if mask is None and attend is not None:
-            # a prompt from position 0 through the given kernel (the CUDA export's Triton flash attention,
-            # export/kernels_prefill.py): it reads the prompt's keys from the cache, positions [0, S)
-            y = attend(q, cached_k, cached_v, rep)
+            # a prompt through the given kernel (the CUDA export's Triton flash attention, export/kernels_prefill.py):
+            # it reads keys from the cache, positions [0, input_pos[-1]]: a prompt in pieces attends to those before
+            y = attend(q, cached_k, cached_v, input_pos, rep)
         else:
             if mask is None:
                 # A prompt into an empty cache attends only to itself (causal over its positions), so the cost

@@ -102,6 +102,12 @@ class ProgramEngine:
         self.batch_graphs: BatchGraphs | None = None
         self.use_cuda_graph = options.cuda_graph and self.device == "cuda"
         self.encoder_chunks = options.encoder_chunks
+        self.prefill_chunk = options.prefill_chunk
+        if self.prefill_chunk and not model.get("prefill_pieces"):
+            raise BundleError(
+                "--prefill-chunk: this bundle's text_decoder prefills a prompt from position 0 only (a CPU export, "
+                "or a CUDA one from before session 25); export it again on CUDA, or prefill in one call"
+            )
         self.cross: CrossAttended | None = None
         if cross_attention:  # graph replays read a static tensor: encode() copies each window's K/V into it
             kv = self._enc.spec.outputs[0]
@@ -156,6 +162,11 @@ class ProgramEngine:
         return self._run(self._emb, ids)
 
     def decode(self, embeds, pos):
+        p = self.prefill_chunk
+        if 0 < p < embeds.shape[1]:  # pieces in order: each attends to the cache the ones before it wrote
+            for i in range(0, embeds.shape[1], p):
+                logits = self._run(self._dec, embeds[:, i : i + p], pos[i : i + p], *extra_inputs(self.cross))
+            return logits
         return self._run(self._dec, embeds, pos, *extra_inputs(self.cross))
 
     def run_prefill(self, compute, inputs):

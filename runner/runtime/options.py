@@ -15,5 +15,9 @@ class RuntimeOptions:
     # audio_encoder on at most this many 30 s chunks per call (0: a prompt's chunks in one call): a long input's
     # encoder activations then follow this, not its length (≈ 37 MiB per chunk at 3B dims in bf16)
     encoder_chunks: int = 0
+    # text_decoder's prefill on at most this many prompt tokens per call, each piece attending to the ones before
+    # it in the cache (0: a prompt in one call): a long prompt's activations then follow this, not its length.
+    # Only bundles whose text_decoder takes a prompt from any position (manifest `prefill_pieces`: CUDA exports)
+    prefill_chunk: int = 0
     rehash: bool = False  # hash every bundle file again, ignoring the digests remembered for it
     cache_dir: Path | None = None  # where verified digests are remembered (None: digests.default_cache_dir())

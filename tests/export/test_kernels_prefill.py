@@ -17,14 +17,16 @@ from runner.models.voxtral import Voxtral  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
 
-def reference(q, k_cache, v_cache, rep):
-    """Causal SDPA in float32 with the query heads unfolded: [1, H_kv, S*rep, D] -> the same layout."""
+def reference(q, k_cache, v_cache, rep, p0=0):
+    """Causal SDPA in float32 with the query heads unfolded: [1, H_kv, S*rep, D] at positions [p0, p0 + S),
+    attending to [0, own position] -> the same layout."""
     _, kv, rows, d = q.shape
     s = rows // rep
     qh = q.float().view(kv, s, rep, d).permute(0, 2, 1, 3).reshape(kv * rep, s, d)
-    k = k_cache[0, :, :s].float().repeat_interleave(rep, dim=0)
-    v = v_cache[0, :, :s].float().repeat_interleave(rep, dim=0)
-    y = F.scaled_dot_product_attention(qh, k, v, is_causal=True)
+    k = k_cache[0, :, : p0 + s].float().repeat_interleave(rep, dim=0)
+    v = v_cache[0, :, : p0 + s].float().repeat_interleave(rep, dim=0)
+    visible = torch.arange(p0 + s)[None, :] <= torch.arange(p0, p0 + s)[:, None]
+    y = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible.to(qh.device))
     return y.view(kv, rep, s, d).permute(0, 2, 1, 3).reshape(1, kv, rows, d)
 
 
@@ -37,10 +39,26 @@ def test_prefill_attention_matches_causal_sdpa(s, rep, config):
     q = torch.randn(1, kv, s * rep, d, generator=g).to(DEV, DOT_DTYPE)
     kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
     kc[:, :, s:], vc[:, :, s:] = float("nan"), float("nan")  # past the prompt: must not be read
-    got = KP._launch_prefill(q, kc, vc, rep, config)
+    got = KP._launch_prefill(q, kc, vc, torch.arange(s, device=DEV), rep, config)
     assert got.shape == q.shape and got.dtype == q.dtype
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # probabilities rounded to the dot's dtype for p @ V
     assert (got.float() - reference(q, kc, vc, rep)).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("p0,s", [(1, 1), (7, 9), (16, 16), (23, 41), (64, 37), (100, 5)])  # tile edges and not
+@pytest.mark.parametrize("rep", [1, 4])
+@pytest.mark.parametrize("config", [(16, 16, 4, 1), (64, 32, 4, 1)])
+def test_a_piece_of_a_prompt_attends_to_the_positions_before_it(p0, s, rep, config):
+    """A prompt in pieces: queries at positions [p0, p0 + S) see the cache's [0, own position], the earlier
+    pieces' keys included, and nothing past p0 + S - 1."""
+    g = torch.Generator().manual_seed(p0 * 100 + s + rep)
+    kv, d, max_seq = 2, 16, p0 + s + 16
+    q = torch.randn(1, kv, s * rep, d, generator=g).to(DEV, DOT_DTYPE)
+    kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
+    kc[:, :, p0 + s :], vc[:, :, p0 + s :] = float("nan"), float("nan")
+    got = KP._launch_prefill(q, kc, vc, torch.arange(p0, p0 + s, device=DEV), rep, config)
+    tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2
+    assert (got.float() - reference(q, kc, vc, rep, p0)).abs().max().item() < tol
 
 
 def test_prefill_config_by_head_size():
@@ -73,21 +91,42 @@ def test_tiny_prefill_through_the_op_matches_the_written_out_prefill():
     assert all((a - b).abs().max() < 1e-2 * b.abs().max() for a, b in zip(op_k, written_k))
 
 
+@torch.no_grad()
+def test_the_tiny_prefill_in_pieces_is_the_whole_prefill():
+    """The tiny model's prompt in three pieces through the op (each at its positions, after the ones before it
+    are in the cache) gives the whole prompt's last logits and caches."""
+    cfg = preset("tiny")
+    m = Voxtral(cfg).init_weights(seed=4).to(DEV, DOT_DTYPE)
+    m.setup_caches(64)
+    g = torch.Generator().manual_seed(1)
+    emb = (torch.randn(1, 23, cfg.text.dim, generator=g) * 0.5).to(DEV, DOT_DTYPE)
+    prefill = m.prefiller(attend=KP.attend)
+    runs = []
+    for pieces in ([(0, 23)], [(0, 8), (8, 16), (16, 23)]):
+        m.reset_caches()
+        for a, b in pieces:
+            logits = prefill(emb[:, a:b], torch.arange(a, b, device=DEV))
+        runs.append((logits, [x.self_attn.kv_cache.v_cache.clone() for x in m.language_model.model.layers]))
+    (whole, whole_v), (pieces, pieces_v) = runs
+    assert (pieces - whole).abs().max() < 1e-2 * whole.abs().max()
+    assert all((a - b).abs().max() <= 1e-2 * b.abs().max() for a, b in zip(pieces_v, whole_v))
+
+
 COMPILE = r"""
 from runner.export import kernels_prefill as KP
 
 bm, bn, warps, stages = KP.prefill_config(128)
 consts = {"QK_SCALE": 128**-0.5 * KP.LOG2E, "REP": 4, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn}
-sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16"), "n_rows": "i32", "kv_stride_h": "i32",
-       **dict.fromkeys(consts, "constexpr")}
+sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64", "out_ptr": "*bf16", "n_rows": "i32",
+       "kv_stride_h": "i32", **dict.fromkeys(consts, "constexpr")}
 # AOTInductor specialises 16-byte-aligned pointers and strides as Triton's launcher does
 names = KP._prefill_attention_kernel.arg_names
 attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_stride_h")}
 k = triton.compile(ASTSource(KP._prefill_attention_kernel, sig, consts, attrs), target=H200,
                    options={"num_warps": warps, "num_stages": stages})
 z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
-kw = dict(q_ptr=z(4 * 64 * 128), k_ptr=z(64 * 128), v_ptr=z(64 * 128), out_ptr=z(4 * 64 * 128), n_rows=256,
-          kv_stride_h=64 * 128, **consts)
+kw = dict(q_ptr=z(4 * 64 * 128), k_ptr=z(64 * 128), v_ptr=z(64 * 128), pos_ptr=torch.arange(64),
+          out_ptr=z(4 * 64 * 128), n_rows=256, kv_stride_h=64 * 128, **consts)
 writes = written(KP._prefill_attention_kernel, kw)
 ptx = k.asm["ptx"]
 print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma" in ptx, "pipelined": "cp.async" in ptx, "writes": writes}))

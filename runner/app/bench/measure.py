@@ -292,8 +292,9 @@ def bench_ours(
         )
         res.samples.update(e2e)
         res.info.update(info, cuda_graph=str(engine.use_cuda_graph).lower())
-        if getattr(engine, "encoder_chunks", 0):
-            res.info["encoder_chunks"] = str(engine.encoder_chunks)
+        for switch in ("encoder_chunks", "prefill_chunk"):  # recorded where not the default
+            if getattr(engine, switch, 0):
+                res.info[switch] = str(getattr(engine, switch))
         # batch 1's: before the batched passes
         res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device, res.samples)]
         if plan.device == "cuda":

@@ -16,7 +16,7 @@
 #   int4     benchmarks/int4_kernels.py $INT4_ARGS: tinygemm against float64 and the bf16 kernels, the step, agreement
 #   memory   benchmarks/memory_peak.py: generate() on $LONG_SECONDS of speech through $BUNDLE, three times (a
 #            process's first, the prefill's capture, a replay) under the allocator's history: what is alive at
-#            each one's peak GPU memory, by size and call site -> memory.{json,log}
+#            each one's peak GPU memory, by size and call site ($MEMORY_ARGS: its runtime flags) -> memory.{json,log}
 #   firstrun one `run` process on one file, four times (with the warm-up at load, without, twice each): load, warm-up,
 #            the TTFT of the process's first file and the process's peak RSS -> firstrun.md
 #   weights  benchmarks/load_weights.py: 3B-sized weights files onto the GPU by our streamed loader, safetensors'
@@ -94,6 +94,7 @@ EXPORT_ARGS=${EXPORT_ARGS---max-seq-len 1024 --max-audio-chunks 1}
 LONG_SECONDS=${LONG_SECONDS:-600}
 LONG_COMPARE=${LONG_COMPARE:-hf-compile}
 LONG_AB=${LONG_AB:-}
+MEMORY_ARGS=${MEMORY_ARGS:-}  # memory_peak.py's runtime flags, e.g. "--encoder-chunks 4 --prefill-chunk 2048"
 AB_A=${AB_A-}  # set but empty: no flags (the default settings)
 AB_B=${AB_B---no-pdl}
 PROFILE_ARGS=${PROFILE_ARGS:---no-ceilings}
@@ -263,10 +264,11 @@ mode_long() {
 
 mode_memory() {
   need_bundle || { NOTE="no bundle"; return 1; }
-  local rc wav=/tmp/long.wav
+  local rc wav=/tmp/long.wav ab
   long_wav "$wav" || { NOTE="could not make the long audio"; return 1; }
+  read -r -a ab <<< "$MEMORY_ARGS"
   run_for "$T_MEMORY" python3 benchmarks/memory_peak.py --bundle "$BUNDLE" --audio "$wav" --out "$OUT/memory.json" \
-    2>&1 | tee "$OUT/memory.log"
+    "${ab[@]}" 2>&1 | tee "$OUT/memory.log"
   rc=${PIPESTATUS[0]}
   NOTE=$(grep '^## ' "$OUT/memory.log" | sed 's/^## //' | paste -sd ';')
   return $rc

@@ -97,10 +97,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--encoder-chunks", type=int, default=0, help="as run's flag")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="as run's flag")
     args = ap.parse_args()
 
     program = Program.load(args.bundle, device="cuda")
-    engine = ProgramEngine(program, RuntimeOptions())
+    engine = ProgramEngine(
+        program, RuntimeOptions(encoder_chunks=args.encoder_chunks, prefill_chunk=args.prefill_chunk)
+    )
     engine.warm_up()  # as `run` loads a bundle
     tok = Tekken.from_file(Path(args.bundle) / program.manifest.model["tokenizer"])
     runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))

@@ -105,8 +105,9 @@ class ProgramEngine:
         self.prefill_chunk = options.prefill_chunk
         if self.prefill_chunk and not model.get("prefill_pieces"):
             raise BundleError(
-                "--prefill-chunk: this bundle's text_decoder prefills a prompt from position 0 only (a CPU export, "
-                "or a CUDA one from before session 25); export it again on CUDA, or prefill in one call"
+                "--prefill-chunk: this bundle's text_decoder takes a prompt from position 0 only (no "
+                "model.prefill_pieces: a CPU export, a Whisper one, or a CUDA Voxtral one from before session 25); "
+                "export it again on CUDA, or prefill in one call"
             )
         self.cross: CrossAttended | None = None
         if cross_attention:  # graph replays read a static tensor: encode() copies each window's K/V into it

@@ -1,5 +1,6 @@
 """A Triton kernel for the prompt's attention in the CUDA `text_decoder` (prefill): causal flash attention over
-the prompt's own positions, compiled into the `.so` by AOTInductor.
+the prompt's positions (and, for a prompt in pieces, `--prefill-chunk`, the positions before the piece), compiled
+into the `.so` by AOTInductor.
 
 Why hand-written: the written-out attention makes an [S * rep, S] float32 score matrix per KV head, and on
 torch 2.11 CUDA only its whole-cache form ([S * rep, max_seq]) exported for a dynamic length (benchmarks/NOTES.md

@@ -32,11 +32,12 @@
 #   soak     the tiny bf16 CUDA bundle with 4 chunks, then the soak tests on it ($SOAK_TESTS)
 #   small24b Voxtral-Small-24B dims (voxtral-small-24b), random init, bf16, --max-seq-len 1024 --max-audio-chunks 1
 #            -> $BUNDLE_24B (default artifacts/24b; an existing one is benched again, not re-exported), then
-#            `bench --compare none` -> bench_24b.{json,md,log}. Its 48.5 GB of weights need the disk: our other
-#            bundles under artifacts/ (folders with a model.pte) are deleted first; the caches stay. On the GPU
-#            one copy of them at a time (the export's self-check moves the eager model to the host where the
-#            bundle's would not fit beside it), so an H100's 80 GB hold it. On a fresh machine the export takes
-#            most of a call: run `small24b` twice, back to back (the second benches the bundle the first left)
+#            `bench --compare $COMPARE_24B` (default hf,hf-compile) -> bench_24b.{json,md,log}. Its 48.5 GB of
+#            weights need the disk: our other bundles under artifacts/ (folders with a model.pte) are deleted
+#            first; the caches stay. On the GPU one copy of them at a time (the export's self-check moves the eager
+#            model to the host where the bundle's would not fit beside it; bench's transformers peers read them on
+#            the host), so an H100's 80 GB hold it. On a fresh machine the export takes most of a call: run
+#            `small24b` twice, back to back (the second benches the bundle the first left)
 #   throughput  $TP_FILES (default 64) files of 30 s (the fixtures' speech, repeated) through $BUNDLE (export it with
 #            --max-batch: EXPORT_ARGS="--max-seq-len 1024 --max-audio-chunks 1 --max-batch 32") at each batch of
 #            $TP_BATCHES (default 1,8,32; 1 is the serial run), in one `bench --compare none` beside ours' headline
@@ -85,6 +86,7 @@ INT4_ARGS=${INT4_ARGS:---parts check,gemv,step,agree}  # int4_kernels.py's flags
 TP_FILES=${TP_FILES:-64}
 TP_BATCHES=${TP_BATCHES:-1,8,32}
 BUNDLE_24B=${BUNDLE_24B:-artifacts/24b}
+COMPARE_24B=${COMPARE_24B:-hf,hf-compile}  # transformers reads the bundle's weights on the host where two copies do not fit
 MIN_MODE_S=20  # a mode with less time than this left is skipped, not started
 
 BUNDLE=${BUNDLE:-artifacts/3b}
@@ -556,7 +558,7 @@ mode_small24b() {
     echo "  $b exists: benched again, not re-exported"
   fi
   du -sh "$b" | cut -f1
-  run_for "$T_BENCH" python3 -m runner bench --bundle "$b" "${BENCH_ARGS[@]}" --compare none \
+  run_for "$T_SMALL24B" python3 -m runner bench --bundle "$b" "${BENCH_ARGS[@]}" --compare "$COMPARE_24B" \
     --json "$OUT/bench_24b.json" > "$OUT/bench_24b.md" 2> "$OUT/bench_24b.log"
   rc=$?
   tail -3 "$OUT/bench_24b.log"

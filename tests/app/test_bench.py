@@ -464,3 +464,19 @@ def test_the_runs_peak_memory_is_the_largest_of_the_phase_peaks_and_the_last_win
     assert peak_memory_mb("cpu", {"peak_memory_text_decoder_prefill_mb": [now * 10]}) == now * 10
     assert peak_memory_mb("cpu", {"peak_memory_audio_encoder_mb": [1.0]}) >= now  # a smaller phase: the window's
     assert peak_memory_mb("cpu", {"peak_host_rss_mb": [now * 10], "decode_tokens_per_s": [1e9]}) < now * 10
+
+
+def test_transformers_copy_reads_the_weights_on_the_host_where_the_gpu_cannot_hold_two(tiny_bundle, monkeypatch):
+    """bench's HF peers copy the bundle's weights into transformers' model: read onto the GPU when it holds both
+    copies, onto the host when not (Small-24B's 48.5 GB on an 80 GB card); a CPU run reads on the CPU."""
+    import torch
+
+    from runner.app.bench.peers import HF_HEADROOM, weights_device
+    from runner.bundle import read_manifest, weight_files
+
+    manifest = read_manifest(tiny_bundle)
+    size = sum(manifest.files[f].size for f in weight_files(manifest))
+    assert weights_device(manifest, "cpu") == "cpu"
+    for free, want in ((2 * size + HF_HEADROOM, "cuda"), (2 * size + HF_HEADROOM - 1, "cpu")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda free=free: (free, 80 * 2**30))
+        assert weights_device(manifest, "cuda") == want

@@ -22,7 +22,7 @@ from runner.app.bench.measure import (
 )
 from runner.app.bench.report import BackendResult
 from runner.audio import pad_to_chunks
-from runner.bundle import Manifest
+from runner.bundle import Manifest, weight_files
 from runner.families.voxtral import Tekken
 from runner.models.mel import LogMelSpectrogram
 from runner.reference.hf import HFEngine, hf_config, to_hf_keys
@@ -65,6 +65,19 @@ class _Stamps:
         pass
 
 
+HF_HEADROOM = 4 * 2**30  # transformers' activations and static cache beside the weights (3B: < 1 GiB)
+
+
+def weights_device(manifest: Manifest, device: str) -> str:
+    """Where the bundle's weights are read for transformers' copy: the GPU, or the host where the GPU cannot hold
+    them twice (Small-24B's 48.5 GB on an 80 GB H100). transformers' model is built on `device` either way."""
+    if device != "cuda":
+        return device
+    size = sum(manifest.files[f].size for f in weight_files(manifest))
+    free, _ = torch.cuda.mem_get_info()
+    return device if free >= 2 * size + HF_HEADROOM else "cpu"
+
+
 def bench_hf(
     kind: str,
     bundle: Path,
@@ -82,7 +95,7 @@ def bench_hf(
     transformers.logging.set_verbosity_error()
     res = BackendResult(kind, info={"transformers": transformers.__version__})
     device, dtype = plan.device, getattr(torch, manifest.dtype)
-    ours = model_from_bundle(bundle, manifest, device=device)  # exactly the bundle's weights
+    ours = model_from_bundle(bundle, manifest, device=weights_device(manifest, device))  # exactly the bundle's weights
     state = ours.to_hf_layout(ours.state_dict())
     try:
         from transformers.initialization import no_init_weights  # from_pretrained skips the random init too

@@ -270,7 +270,7 @@ mode_memory() {
   long_wav "$wav" || { NOTE="could not make the long audio"; return 1; }
   read -r -a ab <<< "$MEMORY_ARGS"
   run_for "$T_MEMORY" python3 benchmarks/memory_peak.py --bundle "$BUNDLE" --audio "$wav" --out "$OUT/memory.json" \
-    "${ab[@]}" 2>&1 | tee "$OUT/memory.log"
+    ${ab[@]+"${ab[@]}"} 2>&1 | tee "$OUT/memory.log"
   rc=${PIPESTATUS[0]}
   NOTE=$(grep '^## ' "$OUT/memory.log" | sed 's/^## //' | paste -sd ';')
   return $rc

@@ -74,7 +74,7 @@ def add_runtime_flags(p: argparse.ArgumentParser, encoder: bool = True) -> None:
     if encoder:
         p.add_argument(
             "--encoder-chunks",
-            type=_chunks,
+            type=_count("chunks"),
             default=0,
             metavar="N",
             help="run audio_encoder on at most N 30 s chunks per call (default 0: all of a prompt's chunks at "
@@ -82,7 +82,7 @@ def add_runtime_flags(p: argparse.ArgumentParser, encoder: bool = True) -> None:
         )
         p.add_argument(
             "--prefill-chunk",
-            type=_tokens,
+            type=_count("tokens"),
             default=0,
             metavar="T",
             help="prefill a prompt in pieces of at most T tokens (default 0: in one call), each attending to the "
@@ -92,24 +92,19 @@ def add_runtime_flags(p: argparse.ArgumentParser, encoder: bool = True) -> None:
     p.add_argument("--rehash", action="store_true", help="hash every bundle file again (ignore remembered digests)")
 
 
-def _chunks(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of chunks, 0 or more")
-    return n
+def _count(unit: str):
+    """argparse's type for a whole number of `unit`, 0 or more (0: the switch is off)."""
 
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number of {unit}, 0 or more")
+        return n
 
-def _tokens(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of tokens, 0 or more")
-    return n
+    return parse
 
 
 def runtime_options(args: argparse.Namespace, env: Environment) -> RuntimeOptions:

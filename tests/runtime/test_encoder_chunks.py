@@ -35,10 +35,14 @@ def test_the_encoder_in_groups_is_the_encoder_at_once(tiny_bundle):
         assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 12
 
 
-@pytest.mark.parametrize("bad", ["-1", "two"])
-def test_a_bad_encoder_chunks_is_a_usage_error(bad):
+@pytest.mark.parametrize("flag,unit,bad", [
+    ("--encoder-chunks", "chunks", "-1"), ("--encoder-chunks", "chunks", "two"),
+    ("--prefill-chunk", "tokens", "-1"), ("--prefill-chunk", "tokens", "many"),
+])  # fmt: skip
+def test_a_bad_chunk_size_is_a_usage_error(flag, unit, bad):
+    """`--encoder-chunks` and `--prefill-chunk` (tests/runtime/test_prefill_chunk.py) take a whole number, 0 or more."""
     out = subprocess.run(
-        [sys.executable, "-m", "runner", "run", "--encoder-chunks", bad, "--audio", str(AUDIO / "speech.wav")],
+        [sys.executable, "-m", "runner", "run", flag, bad, "--audio", str(AUDIO / "speech.wav")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert out.returncode == 2 and "--encoder-chunks" in out.stderr and "whole number of chunks" in out.stderr
+    assert out.returncode == 2 and flag in out.stderr and f"whole number of {unit}" in out.stderr

@@ -1,17 +1,16 @@
 """`--prefill-chunk T`: a prompt prefilled in pieces of at most T tokens, in order, each at its own positions, the
 last piece's logits the prompt's. A bundle whose text_decoder attends to the prompt alone (the CPU export's) cannot
 take pieces and says so at load. That the pieces give the whole prompt's answer is tested where the bundles that
-take them are built: on a GPU (tests/cuda/test_cuda_runtime.py) and through the kernel (tests/export)."""
+take them are built: on a GPU (tests/cuda/test_cuda_runtime.py) and through the kernel (tests/export). A bad T is a
+usage error: tests/runtime/test_encoder_chunks.py, beside --encoder-chunks'."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import AUDIO, runner_for
+from conftest import runner_for
 
 from runner.bundle import read_manifest
 from runner.errors import BundleError
@@ -51,15 +50,6 @@ def test_a_prompt_goes_in_order_in_pieces_of_at_most_t_tokens(tiny_bundle, monke
     assert all(m is engine._dec for m, _, _ in calls)
     assert torch.equal(torch.cat([e for _, e, _ in calls], dim=1), embeds)
     assert torch.equal(logits, torch.full((1, 4), float(len(pieces))))
-
-
-@pytest.mark.parametrize("bad", ["-1", "many"])
-def test_a_bad_prefill_chunk_is_a_usage_error(bad):
-    out = subprocess.run(
-        [sys.executable, "-m", "runner", "run", "--prefill-chunk", bad, "--audio", str(AUDIO / "speech.wav")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 2 and "--prefill-chunk" in out.stderr and "whole number of tokens" in out.stderr
 
 
 def test_inspect_says_whether_the_prefill_takes_pieces(tiny_bundle, capsys):

@@ -1,8 +1,9 @@
 """The prefill's causal attention (`runner/export/kernels_prefill.py`, our Triton op) against torch's SDPA on the
-H200: the 3B's heads (32 query, 8 KV, head 128) at each prompt length, our op over a grid of tiles and SDPA
-(is_causal, GQA) by each backend that takes the shape, each call one CUDA graph replayed back to back. TFLOP/s
-count the causal half (each query against its own and earlier positions); errors are against the math backend in
-float32, relative to the output's scale.
+H200: the 3B's heads (32 query, 8 KV, head 128) at each prompt length, our op (the queries' RoPE and o_proj's
+layout included) over a grid of tiles and SDPA (is_causal, GQA; RoPE applied beforehand, the layout in its time)
+by each backend that takes the shape, each call one CUDA graph replayed back to back. TFLOP/s count the causal
+half (each query against its own and earlier positions); errors are against the math backend in float32,
+relative to the output's scale.
 
 Then the audio encoder's attention (bidirectional, 20 heads of 64 over each 30 s chunk's 1500 positions) by each
 SDPA backend at 1 and 20 chunks: the exported encoder calls SDPA, and the backend the export picks is the one
@@ -23,6 +24,7 @@ from profile_decode import graph_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runner.export import kernels_prefill as KP
+from runner.models.voxtral import apply_rope, rope
 from runner.models.voxtral_config import AudioConfig, TextConfig
 
 DEV, BF16 = "cuda", torch.bfloat16
@@ -43,28 +45,31 @@ def timed(who: str, fn, ref, flop: float, **extra) -> dict:
 
 def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
     rep, d, kv = c.n_heads // c.n_kv_heads, c.head_dim, c.n_kv_heads
-    q = torch.randn(1, kv, s * rep, d, dtype=BF16, device=DEV)  # as the model folds it: row r is position r // rep
+    qkv = torch.randn(1, s, (c.n_heads + 2 * kv) * d, dtype=BF16, device=DEV)  # as the qkv projection writes it
     start = torch.arange(s, device=DEV)  # the prompt's positions: from 0
-    qh = q.view(kv, s, rep, d).transpose(1, 2).reshape(1, kv * rep, s, d)  # SDPA's layout, made before timing
+    cos, sin = rope(start, d, c.rope_theta, BF16)
+    # SDPA's queries with RoPE applied and in its layout, made before timing (our op does both as it loads)
+    qh = apply_rope(qkv[0, :, : c.n_heads * d].view(s, c.n_heads, d).transpose(0, 1), cos, sin)[None]
     kh, vh = kc[:, :, :s], vc[:, :, :s]
     flop = 4 * c.n_heads * d * s * (s + 1) / 2
 
-    def folded(y):
-        return y.view(kv, rep, s, d).transpose(1, 2).reshape(1, kv, s * rep, d)
+    def as_rows(y):  # [1, H, S, D] -> o_proj's input [1, S, H * D], as our op writes it
+        return y.transpose(1, 2).reshape(1, s, c.n_heads * d)
 
     def sdpa(backend, q=qh, k=kh, v=vh):
         with sdpa_kernel(backend):
-            return folded(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+            return as_rows(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
     ref = sdpa(SDPBackend.MATH, qh.float(), kh.float(), vh.float())
-    rows = [
-        timed(f"ours {cfg}", lambda cfg=cfg: KP._launch_prefill(q, kc, vc, start, rep, cfg), ref, flop, config=cfg)
-        for cfg in GRID
-    ]
+
+    def ours(cfg):
+        return KP._launch_prefill(qkv, cos, sin, kc, vc, start, rep, cfg)
+
+    rows = [timed(f"ours {cfg}", lambda cfg=cfg: ours(cfg), ref, flop, config=cfg) for cfg in GRID]
     rows += [timed(f"sdpa {b.name}", lambda b=b: sdpa(b), ref, flop) for b in BACKENDS]
     # where a backend refuses GQA: the keys and values repeated per query head beforehand (not timed)
     kr, vr = (x.repeat_interleave(rep, dim=1) for x in (kh, vh))
-    rows.append(timed("sdpa default, K/V repeated", lambda: folded(F.scaled_dot_product_attention(
+    rows.append(timed("sdpa default, K/V repeated", lambda: as_rows(F.scaled_dot_product_attention(
         qh, kr, vr, is_causal=True)), ref, flop))  # fmt: skip
     return rows
 

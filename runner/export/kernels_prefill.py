@@ -10,8 +10,12 @@ scores in registers (online softmax) and reads keys only up to each query block'
 follows the prompt, not the cache. As a `triton_op` it is one opaque node to torch.export, which therefore has no
 score shapes to reason about.
 
-Layout: the query heads of one KV head are folded into its rows (Attention.forward: [1, H_kv, S * rep, D], row
-r is position r // rep), so each program reads one KV head's keys once for all of its query heads.
+Layout: the query heads of one KV head are folded into one program's rows (row r of KV head j is position
+r // rep, query head j * rep + r % rep), so each program reads one KV head's keys once for all of its query heads.
+The op reads those rows straight from the qkv projection's output and applies RoPE to them as it loads them, and
+writes o_proj's input ([S, H * D]): the queries' RoPE and the two layout copies around the attention, written as
+torch ops, were three kernels per layer (≈ 0.6 ms of the 30 s prefill, ≈ 16 ms of the 10-minute one on an H100:
+Inductor recomputed cos/sin inside each, benchmarks/NOTES.md item 58).
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
     k_ptr,
     v_ptr,
     pos_ptr,
@@ -81,6 +87,7 @@ def _prefill_attention_kernel(
     kv_stride_h,
     QK_SCALE: tl.constexpr,  # head_dim ** -0.5 * log2(e): the softmax in base 2
     REP: tl.constexpr,
+    H_KV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -92,15 +99,24 @@ def _prefill_attention_kernel(
     The blocks run last-first: a block's work grows with its position (causal), so the longest start first and
     the grid's tail is short ones. Tiles below the block's first position are visible to all its rows and skip
     the masks; only the one or two tiles on the diagonal are masked."""
+    HALF: tl.constexpr = D // 2
     j = tl.program_id(0)
     i = tl.num_programs(1) - 1 - tl.program_id(1)
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     p0 = tl.load(pos_ptr)
-    q_pos = p0 + rows // REP
+    s_idx = rows // REP  # the row's position in this call
+    q_pos = p0 + s_idx
+    head = j * REP + rows % REP
     d = tl.arange(0, D)
-    q_base = j.to(tl.int64) * n_rows * D
-    q = tl.load(q_ptr + q_base + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    # RoPE as the compiled torch ops compute it (float32, rounded once): x * cos + rotate_half(x) * sin
+    q_row = qkv_ptr + s_idx[:, None].to(tl.int64) * ((REP + 2) * H_KV * D) + head[:, None] * D
+    x = tl.load(q_row + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x_rot = tl.load(q_row + ((d + HALF) % D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    cs = s_idx[:, None] * D + d[None, :]
+    cos = tl.load(cos_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = (x * cos + tl.where((d < HALF)[None, :], -x_rot, x_rot) * sin).to(k_ptr.dtype.element_ty)
     kv_base = j.to(tl.int64) * kv_stride_h
     # positions this block needs: up to its last real row's (rows past n_rows are padding and never stored)
     end = p0 + (tl.minimum(i * BLOCK_M + BLOCK_M, n_rows) - 1) // REP + 1
@@ -118,23 +134,29 @@ def _prefill_attention_kernel(
         )
     # every real row sees position 0, so its denominator is >= 1; padding rows may see none and are not stored
     out = acc / tl.maximum(denom, 1e-30)[:, None]
-    tl.store(out_ptr + q_base + rows[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    o_row = out_ptr + s_idx[:, None].to(tl.int64) * (REP * H_KV * D) + head[:, None] * D  # [S, H * D]: o_proj's input
+    tl.store(o_row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _launch_prefill(q, k_cache, v_cache, cache_position, rep, config=None):
-    _, n_kv, n_rows, d = q.shape
+def _launch_prefill(qkv, cos, sin, k_cache, v_cache, cache_position, rep, config=None):
+    _, n_kv, _, d = k_cache.shape
+    b, s, _ = qkv.shape
     block_m, block_n, warps, stages = config or prefill_config(d)
-    out = torch.empty_like(q)
-    wrap_triton(_prefill_attention_kernel)[(n_kv, triton.cdiv(n_rows, block_m))](
-        q,
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()  # no copies: as the model makes them
+    out = qkv.new_empty(b, s, n_kv * rep * d)
+    wrap_triton(_prefill_attention_kernel)[(n_kv, triton.cdiv(s * rep, block_m))](
+        qkv,
+        cos,
+        sin,
         k_cache,
         v_cache,
         cache_position,
         out,
-        n_rows,
+        s * rep,
         k_cache.stride(1),
         QK_SCALE=d**-0.5 * LOG2E,
         REP=rep,
+        H_KV=n_kv,
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -146,15 +168,21 @@ def _launch_prefill(q, k_cache, v_cache, cache_position, rep, config=None):
 
 @triton_op("voxtral::prefill_attention", mutates_args={})
 def prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position: torch.Tensor, rep: int
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    rep: int,
 ) -> torch.Tensor:
-    """A prompt's causal attention: q [1, H_kv, S * rep, D] contiguous (RoPE applied, query heads folded) at
-    positions cache_position = [p0, p0 + S) (p0 = 0 but for a prompt in pieces), k_cache/v_cache [1, H_kv, max_seq,
-    D] holding keys and values at [0, p0 + S) -> [1, H_kv, S * rep, D] in q's dtype. Nothing past position
-    p0 + S - 1 is read."""
-    return _launch_prefill(q, k_cache, v_cache, cache_position, rep)
+    """A prompt's causal attention: qkv [1, S, (H + 2 H_kv) * D] as the qkv projection wrote it (queries first, no
+    RoPE yet), cos/sin [S, D] of positions cache_position = [p0, p0 + S) (p0 = 0 but for a prompt in pieces),
+    k_cache/v_cache [1, H_kv, max_seq, D] holding keys (RoPE applied) and values at [0, p0 + S), rep = H / H_kv
+    -> [1, S, H * D] in qkv's dtype (o_proj's input). Nothing past position p0 + S - 1 is read."""
+    return _launch_prefill(qkv, cos, sin, k_cache, v_cache, cache_position, rep)
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_position, rep: int) -> torch.Tensor:
+def attend(qkv, cos, sin, k_cache, v_cache, cache_position, rep: int) -> torch.Tensor:
     """The model's hook (TextDecoder's `attend`): this op, as one node in the exported graph."""
-    return torch.ops.voxtral.prefill_attention(q, k_cache, v_cache, cache_position, rep)
+    return torch.ops.voxtral.prefill_attention(qkv, cos, sin, k_cache, v_cache, cache_position, rep)

@@ -142,29 +142,29 @@ class Attention(nn.Module):
         kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
         # GQA without copying K/V: query heads j*rep..j*rep+rep-1 share KV head j, so they are folded into
         # KV head j's rows ([b, H_kv, S*rep, D]); repeat_interleave would write rep copies of the cache.
-        q, k, v = self.qkv_proj(x).split([c.n_heads * d, kv * d, kv * d], dim=-1)
-        q = q.view(b, s, kv, rep, d).permute(0, 2, 1, 3, 4)  # [b, H_kv, S, rep, D]
-        k = k.view(b, s, kv, d).transpose(1, 2)  # [b, H_kv, S, D]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([c.n_heads * d, kv * d, kv * d], dim=-1)
+        k = apply_rope(k.view(b, s, kv, d).transpose(1, 2), cos, sin)  # [b, H_kv, S, D]
         v = v.view(b, s, kv, d).transpose(1, 2)
-        q, k = apply_rope(q, cos[:, None, :], sin[:, None, :]), apply_rope(k, cos, sin)
         cached_k, cached_v = self.kv_cache.update(input_pos, k, v)  # [1, H_kv, max_seq, D]
-        q = q.reshape(b, kv, s * rep, d)
         if mask is None and attend is not None:
             # a prompt through the given kernel (the CUDA export's Triton flash attention, export/kernels_prefill.py):
-            # it reads keys from the cache, positions [0, input_pos[-1]]: a prompt in pieces attends to those before
-            y = attend(q, cached_k, cached_v, input_pos, rep)
+            # it applies RoPE to the queries as it reads them from qkv and writes o_proj's input; it reads keys from
+            # the cache, positions [0, input_pos[-1]]: a prompt in pieces attends to those before
+            return self.o_proj(attend(qkv, cos, sin, cached_k, cached_v, input_pos, rep))
+        q = q.view(b, s, kv, rep, d).permute(0, 2, 1, 3, 4)  # [b, H_kv, S, rep, D]
+        q = apply_rope(q, cos[:, None, :], sin[:, None, :]).reshape(b, kv, s * rep, d)
+        if mask is None:
+            # A prompt into an empty cache attends only to itself (causal over its positions), so the cost
+            # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq].
+            mask = input_pos[None, :] <= input_pos[:, None]  # [S, S]
         else:
-            if mask is None:
-                # A prompt into an empty cache attends only to itself (causal over its positions), so the cost
-                # follows the prompt, not the cache's length: [S, S] scores, not [S, max_seq].
-                mask = input_pos[None, :] <= input_pos[:, None]  # [S, S]
-            else:
-                k, v = cached_k, cached_v
-            # Written out rather than SDPA with a mask: torch 2.11 could not export SDPA's masked CUDA path for a
-            # dynamic length (an unprovable guard). Softmax in float32, as HF's Llama does.
-            scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, S or max_seq]
-            scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
-            y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, S*rep, D]
+            k, v = cached_k, cached_v
+        # Written out rather than SDPA with a mask: torch 2.11 could not export SDPA's masked CUDA path for a
+        # dynamic length (an unprovable guard). Softmax in float32, as HF's Llama does.
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * d**-0.5  # [b, H_kv, S*rep, S or max_seq]
+        scores = scores.masked_fill(~mask.repeat_interleave(rep, dim=0), float("-inf"))
+        y = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [b, H_kv, S*rep, D]
         y = y.view(b, kv, s, rep, d).permute(0, 2, 1, 3, 4).reshape(b, s, c.n_heads * d)
         return self.o_proj(y)
 
@@ -257,8 +257,8 @@ class TextDecoder(nn.Module):
     """The decoder body without the embedding table: any positions, attending to the cache (decode steps, the
     eager reference). With `prefill`, what the exported text_decoder method holds: a prompt from position 0 into
     an empty cache (the runtime prefills a whole prompt in one call, always from an empty cache): it attends to the
-    prompt alone, through `attend` where given (q, k_cache, v_cache, rep -> y: Attention.forward's folded layout),
-    else written out."""
+    prompt alone, through `attend` where given (qkv, cos, sin, k_cache, v_cache, cache_position, rep -> o_proj's
+    input: kernels_prefill.prefill_attention's contract), else written out."""
 
     def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False, attend=None):
         super().__init__()

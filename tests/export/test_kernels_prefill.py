@@ -13,36 +13,45 @@ from kernel_env import DEV, DOT_DTYPE, on_h200_target  # before the kernels: on 
 pytest.importorskip("triton")
 
 from runner.export import kernels_prefill as KP  # noqa: E402
-from runner.models.voxtral import Voxtral  # noqa: E402
+from runner.models.voxtral import Voxtral, apply_rope, rope  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
 
-def reference(q, k_cache, v_cache, rep, p0=0):
-    """Causal SDPA in float32 with the query heads unfolded: [1, H_kv, S*rep, D] at positions [p0, p0 + S),
-    attending to [0, own position] -> the same layout."""
-    _, kv, rows, d = q.shape
-    s = rows // rep
-    qh = q.float().view(kv, s, rep, d).permute(0, 2, 1, 3).reshape(kv * rep, s, d)
+def reference(qkv, cos, sin, k_cache, v_cache, rep, p0=0):
+    """RoPE on the queries (the model's apply_rope, in float32), then causal SDPA in float32: qkv [1, S, (H + 2 H_kv)
+    * D] at positions [p0, p0 + S), attending to [0, own position] -> [1, S, H * D]."""
+    _, kv, _, d = k_cache.shape
+    s = qkv.shape[1]
+    q = qkv[0, :, : kv * rep * d].float().view(s, kv * rep, d).transpose(0, 1)  # [H, S, D]
+    q = apply_rope(q, cos.float(), sin.float())
     k = k_cache[0, :, : p0 + s].float().repeat_interleave(rep, dim=0)
     v = v_cache[0, :, : p0 + s].float().repeat_interleave(rep, dim=0)
     visible = torch.arange(p0 + s)[None, :] <= torch.arange(p0, p0 + s)[:, None]
-    y = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible.to(qh.device))
-    return y.view(kv, rep, s, d).permute(0, 2, 1, 3).reshape(1, kv, rows, d)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(q.device))  # [H, S, D]
+    return y.transpose(0, 1).reshape(1, s, kv * rep * d)
+
+
+def inputs(s, rep, p0=0, seed=0):
+    """A random qkv for S tokens at positions [p0, p0 + S), the model's cos/sin there, and caches holding random
+    keys and values at [0, p0 + S) and NaN past them (never to be read)."""
+    g = torch.Generator().manual_seed(seed)
+    kv, d = 2, 16
+    qkv = torch.randn(1, s, (rep + 2) * kv * d, generator=g).to(DEV, DOT_DTYPE)
+    cos, sin = rope(torch.arange(p0, p0 + s), d, 1e4, DOT_DTYPE)
+    kc, vc = (torch.randn(1, kv, p0 + s + 16, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
+    kc[:, :, p0 + s :], vc[:, :, p0 + s :] = float("nan"), float("nan")
+    return qkv, cos.to(DEV), sin.to(DEV), kc, vc
 
 
 @pytest.mark.parametrize("s", [1, 5, 16, 37, 64, 150])  # one token, ragged, block edges, many tiles
 @pytest.mark.parametrize("rep", [1, 2, 4])
 @pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 2), (64, 32, 4, 1)])
 def test_prefill_attention_matches_causal_sdpa(s, rep, config):
-    g = torch.Generator().manual_seed(s * 10 + rep)
-    kv, d, max_seq = 2, 16, s + 16
-    q = torch.randn(1, kv, s * rep, d, generator=g).to(DEV, DOT_DTYPE)
-    kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
-    kc[:, :, s:], vc[:, :, s:] = float("nan"), float("nan")  # past the prompt: must not be read
-    got = KP._launch_prefill(q, kc, vc, torch.arange(s, device=DEV), rep, config)
-    assert got.shape == q.shape and got.dtype == q.dtype
-    tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # probabilities rounded to the dot's dtype for p @ V
-    assert (got.float() - reference(q, kc, vc, rep)).abs().max().item() < tol
+    qkv, cos, sin, kc, vc = inputs(s, rep, seed=s * 10 + rep)
+    got = KP._launch_prefill(qkv, cos, sin, kc, vc, torch.arange(s, device=DEV), rep, config)
+    assert got.shape == (1, s, rep * 2 * 16) and got.dtype == qkv.dtype
+    tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # q and probabilities rounded to the dot's dtype
+    assert (got.float() - reference(qkv, cos, sin, kc, vc, rep)).abs().max().item() < tol
 
 
 @pytest.mark.parametrize("p0,s", [(1, 1), (7, 9), (16, 16), (23, 41), (64, 37), (100, 5)])  # tile edges and not
@@ -50,15 +59,11 @@ def test_prefill_attention_matches_causal_sdpa(s, rep, config):
 @pytest.mark.parametrize("config", [(16, 16, 4, 1), (64, 32, 4, 1)])
 def test_a_piece_of_a_prompt_attends_to_the_positions_before_it(p0, s, rep, config):
     """A prompt in pieces: queries at positions [p0, p0 + S) see the cache's [0, own position], the earlier
-    pieces' keys included, and nothing past p0 + S - 1."""
-    g = torch.Generator().manual_seed(p0 * 100 + s + rep)
-    kv, d, max_seq = 2, 16, p0 + s + 16
-    q = torch.randn(1, kv, s * rep, d, generator=g).to(DEV, DOT_DTYPE)
-    kc, vc = (torch.randn(1, kv, max_seq, d, generator=g).to(DEV, DOT_DTYPE) for _ in range(2))
-    kc[:, :, p0 + s :], vc[:, :, p0 + s :] = float("nan"), float("nan")
-    got = KP._launch_prefill(q, kc, vc, torch.arange(p0, p0 + s, device=DEV), rep, config)
+    pieces' keys included, and nothing past p0 + S - 1; RoPE at their own positions."""
+    qkv, cos, sin, kc, vc = inputs(s, rep, p0, seed=p0 * 100 + s + rep)
+    got = KP._launch_prefill(qkv, cos, sin, kc, vc, torch.arange(p0, p0 + s, device=DEV), rep, config)
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2
-    assert (got.float() - reference(q, kc, vc, rep, p0)).abs().max().item() < tol
+    assert (got.float() - reference(qkv, cos, sin, kc, vc, rep, p0)).abs().max().item() < tol
 
 
 def test_prefill_config_by_head_size():
@@ -116,17 +121,19 @@ COMPILE = r"""
 from runner.export import kernels_prefill as KP
 
 bm, bn, warps, stages = KP.prefill_config(128)
-consts = {"QK_SCALE": 128**-0.5 * KP.LOG2E, "REP": 4, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn}
-sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64", "out_ptr": "*bf16", "n_rows": "i32",
-       "kv_stride_h": "i32", **dict.fromkeys(consts, "constexpr")}
+consts = {"QK_SCALE": 128**-0.5 * KP.LOG2E, "REP": 4, "H_KV": 8, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn}
+sig = {**dict.fromkeys(("qkv_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64",
+       "out_ptr": "*bf16", "n_rows": "i32", "kv_stride_h": "i32", **dict.fromkeys(consts, "constexpr")}
 # AOTInductor specialises 16-byte-aligned pointers and strides as Triton's launcher does
 names = KP._prefill_attention_kernel.arg_names
-attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_stride_h")}
+aligned = ("qkv_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr", "out_ptr", "kv_stride_h")
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
 k = triton.compile(ASTSource(KP._prefill_attention_kernel, sig, consts, attrs), target=H200,
                    options={"num_warps": warps, "num_stages": stages})
 z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
-kw = dict(q_ptr=z(4 * 64 * 128), k_ptr=z(64 * 128), v_ptr=z(64 * 128), pos_ptr=torch.arange(64),
-          out_ptr=z(4 * 64 * 128), n_rows=256, kv_stride_h=64 * 128, **consts)
+kw = dict(qkv_ptr=z(64 * 48 * 128), cos_ptr=z(64 * 128), sin_ptr=z(64 * 128), k_ptr=z(8 * 64 * 128),
+          v_ptr=z(8 * 64 * 128), pos_ptr=torch.arange(64), out_ptr=z(64 * 32 * 128), n_rows=256, kv_stride_h=64 * 128,
+          **consts)
 writes = written(KP._prefill_attention_kernel, kw)
 ptx = k.asm["ptx"]
 print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma" in ptx, "pipelined": "cp.async" in ptx, "writes": writes}))

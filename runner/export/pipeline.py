@@ -228,6 +228,19 @@ def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
+def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], weights_filter) -> None:
+    """The method's weights into its file, or, for a second method over one module (text_decoder_step), its names
+    checked against the file's. A function of its own so that nothing outlives it: the dict's tensors are views of
+    the device's weights, and the self-check frees those by moving the eager model (NOTES item 51)."""
+    weights = {k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)}
+    if plan.spec.weights in written:
+        if written[plan.spec.weights] != set(weights):
+            raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")
+    else:
+        save_file({k: v.cpu() for k, v in weights.items()}, str(stage / plan.spec.weights))
+        written[plan.spec.weights] = set(weights)
+
+
 def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: str) -> tuple[nn.Module, dict]:
     """The eager model on the export's device and dtype with its KV cache, and the manifest's `model` fields every
     family has; the family's exporter adds its own."""
@@ -331,15 +344,7 @@ def build_bundle(
                 plan = plans[i] = plan.fallback
                 report.cached[plan.name] = fetch_or_compile(plan)
             report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
-            weights = {
-                k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)
-            }
-            if plan.spec.weights in written:  # a second method over one module (text_decoder_step): names only
-                if written[plan.spec.weights] != set(weights):
-                    raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")
-            else:
-                save_file({k: v.cpu() for k, v in weights.items()}, str(stage / plan.spec.weights))
-                written[plan.spec.weights] = set(weights)
+            write_weights(plan, stage, written, weights_filter)
             if progress:
                 done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"
                 progress(plan.name, done)

@@ -19,6 +19,7 @@ from runner.errors import ExportError
 from runner.export.methods import MethodPlan
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
+from runner.runtime.weights import free_device_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ def make_room(model: nn.Module, stage: Path, device: str) -> bool:
     if device != "cuda":
         return False
     need = sum(p.stat().st_size for p in stage.glob("*.safetensors")) + LOAD_HEADROOM
-    gc.collect()
-    torch.cuda.empty_cache()  # the compiles' cached blocks would read as taken
-    free, _ = torch.cuda.mem_get_info()
+    free = free_device_bytes()
     if free >= need:
         return False
     log.info("self-check: %.1f GiB free, the bundle needs %.1f: the eager model moves to the host", free / 2**30,

@@ -11,6 +11,7 @@ alone. The header is validated by safetensors itself before a byte of data is tr
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -137,3 +138,12 @@ class _Slot:
                 dst[s - a : e - a].copy_(self.buf[s - lo : e - lo], non_blocking=self.stream is not None)
             if self.event is not None:
                 self.event.record(self.stream)
+
+
+def free_device_bytes() -> int:
+    """The GPU's free memory once what nothing refers to is collected and the allocator's cached blocks are given
+    back (a finished compile's or program's cached blocks would read as taken): where a second copy of a model's
+    weights is to go (the export's self-check, bench's transformers peers)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]

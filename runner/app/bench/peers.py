@@ -28,6 +28,7 @@ from runner.models.mel import LogMelSpectrogram
 from runner.reference.hf import HFEngine, hf_config, to_hf_keys
 from runner.reference.voxtral import eager_engine, model_from_bundle
 from runner.runtime.generate import TextSegment
+from runner.runtime.weights import free_device_bytes
 
 
 def bench_eager(bundle: Path, manifest: Manifest, plan: Plan, tok: Tekken, clock: Clock, vocab: int) -> BackendResult:
@@ -74,8 +75,7 @@ def weights_device(manifest: Manifest, device: str) -> str:
     if device != "cuda":
         return device
     size = sum(manifest.files[f].size for f in weight_files(manifest))
-    free, _ = torch.cuda.mem_get_info()
-    return device if free >= 2 * size + HF_HEADROOM else "cpu"
+    return device if free_device_bytes() >= 2 * size + HF_HEADROOM else "cpu"
 
 
 def bench_hf(

@@ -29,9 +29,10 @@ LOG2E = 1.4426950408889634
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): the Triton tutorial's Hopper setting for a
-    head of 128; small heads (the tiny model) take small tiles."""
-    return (128, 64, 8, 3) if head_dim >= 64 else (32, 16, 4, 2)
+    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): for a head of 128 the fastest of
+    `benchmarks/prefill_attention.py`'s grid at 385, 1885–2000 and 7510 positions on the H100 and near it on the
+    H200 (NOTES item 59); small heads (the tiny model) take small tiles."""
+    return (64, 64, 4, 3) if head_dim >= 64 else (32, 16, 4, 2)
 
 
 @triton.jit

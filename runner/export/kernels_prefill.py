@@ -14,7 +14,7 @@ Layout: the query heads of one KV head are folded into one program's rows (row r
 r // rep, query head j * rep + r % rep), so each program reads one KV head's keys once for all of its query heads.
 The op reads those rows straight from the qkv projection's output and applies RoPE to them as it loads them, and
 writes o_proj's input ([S, H * D]): the queries' RoPE and the two layout copies around the attention, written as
-torch ops, were three kernels per layer (≈ 0.6 ms of the 30 s prefill, ≈ 16 ms of the 10-minute one on an H100:
+torch ops, were three kernels per layer (≈ 0.9 ms of the 30 s prefill, ≈ 16 ms of the 10-minute one on an H100:
 Inductor recomputed cos/sin inside each, benchmarks/NOTES.md item 58).
 """
 

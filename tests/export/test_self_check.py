@@ -54,29 +54,37 @@ def test_a_cpu_export_never_moves_the_model(stage, monkeypatch):
     assert self_check.make_room(model, stage, "cpu") is False and model.moves == []
 
 
-def test_the_self_check_starts_with_nothing_else_on_the_weights_memory(tiny_checkpoint, tmp_path, monkeypatch):
-    """When the self-check starts, no tensor but the eager model's own parameters refers to their memory: moving
-    the model to the host then frees the device (a 24B export on an 80 GB H100 ran out of memory in the check while
-    the exporter's last weights dict, detached views of the decoder's 46 GB, was still alive)."""
-    seen = {}
+def live_tensors() -> list[torch.Tensor]:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
 
-    def storage(t):
-        try:
-            return t.untyped_storage().data_ptr()
-        except RuntimeError:  # a fake tensor the compile left behind: no memory
-            return None
+
+def storage(t: torch.Tensor) -> int | None:
+    """Where t's memory is; None for a tensor with none (a fake one a compile left behind, one freed in place)."""
+    try:
+        s = t.untyped_storage()
+    except RuntimeError:
+        return None
+    return s.data_ptr() if s.nbytes() else None
+
+
+def test_the_self_check_starts_with_nothing_else_on_the_weights_memory(tiny_checkpoint, tmp_path, monkeypatch):
+    """When the self-check starts, no tensor the export made but the eager model's own parameters refers to their
+    memory: moving the model to the host then frees the device (a 24B export on an 80 GB H100 ran out of memory in
+    the check while the exporter's last weights dict, detached views of the decoder's 46 GB, was still alive).
+    Tensors alive before the export are left out (and kept alive, so no new one takes an old one's id): earlier
+    tests' non-owning aliases may point at memory the allocator has since given to these parameters."""
+    before = live_tensors()
+    old = {id(t) for t in before}
+    seen = {}
 
     def check(stage, plans, model, *args):
         params = {id(p) for p in model.parameters()}
-        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        gc.collect()
-        with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
-            warnings.simplefilter("ignore", FutureWarning)
-            others = [
-                o for o in gc.get_objects()
-                if isinstance(o, torch.Tensor) and id(o) not in params and storage(o) in storages
-            ]  # fmt: skip
-        seen["others"] = [tuple(o.shape) for o in others]
+        storages = {storage(p) for p in model.parameters()} - {None}
+        others = [t for t in live_tensors() if id(t) not in params | old and storage(t) in storages]
+        seen["others"] = [tuple(t.shape) for t in others]
         seen["params"] = len(params)
         return {}
 

@@ -1,10 +1,10 @@
 """Voxtral in plain PyTorch, written for torch.export.
 
 Parameter names follow what `VoxtralForConditionalGeneration.save_pretrained` writes (`audio_tower.*`,
-`multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`), except that the decoder's
-q/k/v and gate/up projections are fused (`qkv_proj`, `gate_up_proj`): one GEMV instead of three and two per
-decode step (measured on the H200: 2.78 -> 2.28 ms for the step's matmuls). `fuse_hf_state` and `to_hf_state`
-convert between the two layouts. The decoder holds a static KV cache as buffers (gpt-fast style): the exported
+`multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`), except that the q/k/v and
+gate/up projections are fused (`qkv_proj`, `gate_up_proj`): in the decoder one GEMV instead of three and two per
+decode step (measured on the H200: 2.78 -> 2.28 ms for the step's matmuls), in the encoder one matmul instead of
+three. `models/fused.py` converts between the two layouts. The decoder holds a static KV cache as buffers (gpt-fast style): the exported
 text_decoder mutates it in place at `cache_position`.
 """
 
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.models import fused
 from runner.models.mel import LogMelSpectrogram
 from runner.models.methods import Methods
 from runner.models.quant_linear import few_rows
@@ -26,17 +27,14 @@ class EncoderAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
         self.n_heads, self.head_dim = n_heads, dim // n_heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim, bias=False)  # Whisper's key projection has no bias
-        self.v_proj = nn.Linear(dim, dim)
+        # q, k, v rows in one matmul (N = 3 * dim fills the GPU better than three of dim at 1500 rows); the key
+        # rows of the bias stay zero: Whisper's key projection has none (models/fused.py)
+        self.qkv_proj = nn.Linear(dim, 3 * dim)
         self.out_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape  # x: [chunks, 1500, d]
-        q, k, v = (
-            p(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
+        q, k, v = self.qkv_proj(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v)  # bidirectional: each 30 s chunk attends to itself
         return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
 
@@ -180,51 +178,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-# ---------------------------------------------------------------- HF layout <-> fused layout
-
-_FUSED = (
-    ("self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
-    ("mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),
-)
-
-
-def _parts(fused_key: str, suffix: str, names: tuple[str, ...]) -> list[str]:
-    stem = fused_key[: -len(suffix)] + suffix.split(".")[0]
-    return [f"{stem}.{n}.weight" for n in names]
-
-
-def fuse_hf_state(state: dict[str, torch.Tensor], fused_keys) -> dict[str, torch.Tensor]:
-    """An HF-layout state dict -> ours: for each fused key, its parts concatenated along the output rows (a key
-    whose parts are not all there is left as it is, for the caller's missing/unexpected report)."""
-    out = dict(state)
-    for key in fused_keys:
-        for suffix, names in _FUSED:
-            if key.endswith(suffix):
-                parts = _parts(key, suffix, names)
-                if all(p in out for p in parts):
-                    out[key] = torch.cat([out.pop(p) for p in parts])
-    return out
-
-
-def to_hf_state(state: dict[str, torch.Tensor], config: TextConfig) -> dict[str, torch.Tensor]:
-    """Ours -> the HF layout, in the same key order; the parts are views of the fused tensors."""
-    rows = {
-        "q_proj": config.n_heads * config.head_dim,
-        "k_proj": config.n_kv_heads * config.head_dim,
-        "v_proj": config.n_kv_heads * config.head_dim,
-        "gate_proj": config.ffn_dim,
-        "up_proj": config.ffn_dim,
-    }
-    out = {}
-    for key, value in state.items():
-        suffix, names = next(((s, n) for s, n in _FUSED if key.endswith(s)), (None, ()))
-        if suffix is None:
-            out[key] = value
-            continue
-        out.update(zip(_parts(key, suffix, names), value.split([rows[n] for n in names]), strict=True))
-    return out
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: TextConfig):
         super().__init__()
@@ -305,12 +258,21 @@ class Voxtral(nn.Module):
             layer.self_attn.kv_cache.k_cache.zero_()
             layer.self_attn.kv_cache.v_cache.zero_()
 
+    def _sizes(self, key: str, module: str) -> list[int]:
+        """The rows of each part of a fused parameter (models/fused.py)."""
+        if key.startswith("audio_tower."):
+            return [self.config.audio.dim] * 3
+        t = self.config.text
+        if module.endswith("qkv_proj"):
+            return [t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim, t.n_kv_heads * t.head_dim]
+        return [t.ffn_dim, t.ffn_dim]
+
     def to_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state dict of ours (or already HF-layout) -> the layout save_pretrained writes."""
-        return to_hf_state(state, self.config.text)
+        return fused.to_hf(state, self._sizes)
 
     def from_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return fuse_hf_state(state, self.state_dict().keys())
+        return fused.from_hf(state, self.state_dict().keys(), self._sizes)
 
     def decoder(self) -> TextDecoder:
         return TextDecoder(self.config.text, self.language_model)
@@ -328,9 +290,12 @@ class Voxtral(nn.Module):
         g = torch.Generator(device=device).manual_seed(seed)
         std = self.config.initializer_range
         with torch.no_grad():
-            for name, p in to_hf_state(dict(self.named_parameters()), self.config.text).items():
+            for name, p in self.named_parameters():
                 if name.endswith("bias"):
-                    p.zero_()
+                    p.zero_()  # the key rows of the encoder's fused bias too, which the HF layout does not show
+            for name, p in self.to_hf_layout(dict(self.named_parameters())).items():
+                if name.endswith("bias"):
+                    continue
                 elif p.dim() == 1:  # LayerNorm / RMSNorm scales
                     p.fill_(1.0)
                 else:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.audio import HOP_LENGTH, N_FFT
+from runner.models import fused
 from runner.models.mel import mel_filters
 from runner.models.voxtral import RMSNorm, apply_rope, rope
 from runner.models.voxtral_realtime_config import ADA_DIM, CONV_STRIDE, RealtimeConfig
@@ -148,10 +149,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-# transformers' separate projections inside each fused one, in row order
-_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 
 
 # ---------------------------------------------------------------- the state: one row per stream slot
@@ -356,48 +353,20 @@ class VoxtralRealtime(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g, device=device) * self.config.initializer_range)
         return self
 
-    def _fused(self, key: str) -> tuple[str, list[str], list[int]] | None:
-        """For a fused parameter's key: its kind (weight, bias), the HF keys of its parts and their row counts."""
-        for fused, parts in _FUSED.items():
-            for kind in ("weight", "bias"):
-                if key.endswith(f".{fused}.{kind}"):
-                    stem = key[: -len(f"{fused}.{kind}")]
-                    c = self.config.audio if key.startswith("audio_tower.") else self.config.text
-                    kv = c.n_heads if key.startswith("audio_tower.") else c.n_kv_heads
-                    qkv = [c.n_heads * c.head_dim, kv * c.head_dim, kv * c.head_dim]
-                    sizes = qkv if "qkv" in fused else [c.ffn_dim, c.ffn_dim]
-                    return kind, [f"{stem}{fused.split('.')[0]}.{p}.{kind}" for p in parts], sizes
-        return None
+    def _sizes(self, key: str, module: str) -> list[int]:
+        """The rows of each part of a fused parameter (models/fused.py)."""
+        c = self.config.audio if key.startswith("audio_tower.") else self.config.text
+        kv = c.n_heads if key.startswith("audio_tower.") else c.n_kv_heads
+        if module.endswith("qkv_proj"):
+            return [c.n_heads * c.head_dim, kv * c.head_dim, kv * c.head_dim]
+        return [c.ffn_dim, c.ffn_dim]
 
     def to_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A state dict of ours (or already HF-layout) -> transformers' layout, in the same order; the parts are
-        views of the fused tensors (a fused bias's key rows, always zero, have no HF tensor)."""
-        out = {}
-        for key, value in state.items():
-            fused = self._fused(key)
-            if fused is None:
-                out[key] = value
-                continue
-            kind, names, sizes = fused
-            for name, part in zip(names, value.split(sizes)):
-                if not (kind == "bias" and ".k_proj." in name):
-                    out[name] = part
-        return out
+        """A state dict of ours (or already HF-layout) -> transformers' layout, in the same order."""
+        return fused.to_hf(state, self._sizes)
 
     def from_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """transformers' layout -> ours: each fused tensor the concatenation of its parts (zero key bias rows)."""
-        out = dict(state)
-        for key in self.state_dict():
-            fused = self._fused(key)
-            if fused is None:
-                continue
-            kind, names, sizes = fused
-            if kind == "bias":
-                q = out[names[0]]
-                out[names[1]] = torch.zeros(sizes[1], dtype=q.dtype, device=q.device)
-            if all(n in out for n in names):
-                out[key] = torch.cat([out.pop(n) for n in names])
-        return out
+        return fused.from_hf(state, self.state_dict().keys(), self._sizes)
 
 
 class EncoderStep(nn.Module):

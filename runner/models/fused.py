@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
 FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 Sizes = Callable[[str, str], list[int]]
@@ -57,3 +58,22 @@ def from_hf(state: dict[str, torch.Tensor], keys: Iterable[str], sizes: Sizes) -
         if all(n in out for n in names):
             out[key] = torch.cat([out.pop(n) for n in names])
     return out
+
+
+def init_random(model: nn.Module, seed: int, std: float) -> None:
+    """Deterministic random init of a model with `to_hf_layout`: normal(0, std) matrices, norms at one, biases zero
+    (a fused bias's key rows too, which transformers' layout does not show), drawn per tensor of transformers'
+    layout (views of the fused ones), so the values do not depend on how we fuse."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+        for name, p in model.to_hf_layout(dict(model.named_parameters())).items():
+            if name.endswith("bias"):
+                continue
+            if p.dim() == 1:  # LayerNorm / RMSNorm scales
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=device) * std)

@@ -284,22 +284,8 @@ class Voxtral(nn.Module):
         return TextDecoder(self.config.text, self.language_model, prefill=True, attend=attend)
 
     def init_weights(self, seed: int) -> Voxtral:
-        """Deterministic random init (normal(0, initializer_range), norms at one, biases zero), drawn per HF-layout
-        tensor (views of the fused ones), so the values do not depend on how we fuse."""
-        device = next(self.parameters()).device
-        g = torch.Generator(device=device).manual_seed(seed)
-        std = self.config.initializer_range
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("bias"):
-                    p.zero_()  # the key rows of the encoder's fused bias too, which the HF layout does not show
-            for name, p in self.to_hf_layout(dict(self.named_parameters())).items():
-                if name.endswith("bias"):
-                    continue
-                elif p.dim() == 1:  # LayerNorm / RMSNorm scales
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g, device=device) * std)
+        """Deterministic random init (models/fused.py: normal(0, initializer_range), norms at one, biases zero)."""
+        fused.init_random(self, seed, self.config.initializer_range)
         return self
 
 

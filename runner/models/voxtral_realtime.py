@@ -336,21 +336,8 @@ class VoxtralRealtime(nn.Module):
         }
 
     def init_weights(self, seed: int) -> VoxtralRealtime:
-        """Deterministic random init: normal(0, initializer_range) matrices, norms at one, biases zero; drawn per
-        transformers-layout tensor (views of the fused ones), so the values do not depend on how we fuse."""
-        device = self.language_model.embed_tokens.weight.device
-        g = torch.Generator(device=device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("bias"):
-                    p.zero_()  # the key rows of a fused bias too, which the HF layout does not show
-            for name, p in self.to_hf_layout(dict(self.named_parameters())).items():
-                if name.endswith("bias"):
-                    continue
-                elif p.dim() == 1:
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g, device=device) * self.config.initializer_range)
+        """Deterministic random init (models/fused.py: normal(0, initializer_range), norms at one, biases zero)."""
+        fused.init_random(self, seed, self.config.initializer_range)
         return self
 
     def _sizes(self, key: str, module: str) -> list[int]:

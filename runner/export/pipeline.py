@@ -381,7 +381,7 @@ def build_bundle(
         if opts.check:
             if progress:
                 progress("all", "checking against eager")
-            report.max_error = check_bundle(stage, plans, model, dtype, opts.device, opts.cache_dir)
+            report.max_error = check_bundle(stage, plans, model, dtype, opts.device, opts.cache_dir, progress)
         kept = publish(stage, out, merge=opts.force)
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)

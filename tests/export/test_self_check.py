@@ -43,9 +43,10 @@ def test_the_eager_model_moves_to_the_host_only_when_the_weights_would_not_fit(s
     need = WEIGHTS + self_check.LOAD_HEADROOM
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (need + free_over_need, 80 << 30))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    model = Recorder()
-    assert self_check.make_room(model, stage, "cuda") is moved
+    model, said = Recorder(), []
+    assert self_check.make_room(model, stage, "cuda", lambda what, message: said.append(message)) is moved
     assert model.moves == ([("cpu",)] if moved else [])
+    assert len(said) == moved and all("moving the eager model to the host" in m for m in said)
 
 
 def test_a_cpu_export_never_moves_the_model(stage, monkeypatch):
@@ -65,9 +66,9 @@ def storage(t: torch.Tensor) -> int | None:
     """Where t's memory is; None for a tensor with none (a fake one a compile left behind, one freed in place)."""
     try:
         s = t.untyped_storage()
+        return s.data_ptr() if s.nbytes() else None
     except RuntimeError:
         return None
-    return s.data_ptr() if s.nbytes() else None
 
 
 def test_the_self_check_starts_with_nothing_else_on_the_weights_memory(tiny_checkpoint, tmp_path, monkeypatch):

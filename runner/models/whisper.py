@@ -4,7 +4,8 @@ The encoder *is* Voxtral's audio tower (runner/export/model.py `AudioTower`, 80 
 Whisper's: token + learned position embeddings, pre-LN layers of causal self-attention (static KV cache, as the
 Voxtral decoder's) + cross-attention over the encoder output + GELU MLP, final LayerNorm, logits tied to the
 token embedding. Parameter names are transformers' `WhisperForConditionalGeneration` names without the leading
-`model.`, so converted weights load into either model.
+`model.` (`to_hf_layout` splits the encoder's fused q/k/v back into them), so converted weights load into either
+model.
 
 The exported split (see `WhisperMethods`):
     audio_encoder    mel [1, n_mels, 3000] -> cross_kv [layers, 2, heads, 1500, head_dim]
@@ -25,6 +26,7 @@ from torch import nn
 
 from runner.audio import N_FRAMES
 from runner.errors import ExportError
+from runner.models import fused
 from runner.models.mel import LogMelSpectrogram
 from runner.models.methods import Methods
 from runner.models.voxtral import AudioTower, KVCache
@@ -188,17 +190,19 @@ class Whisper(nn.Module):
             layer.self_attn.kv_cache.v_cache.zero_()
 
     def init_weights(self, seed: int) -> Whisper:
-        """Deterministic random init, for tests that must not need the model package."""
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("bias"):
-                    p.zero_()
-                elif p.dim() == 1:
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        """Deterministic random init, for tests that must not need the model package (models/fused.py)."""
+        fused.init_random(self, seed, 0.05)
         return self
+
+    def _sizes(self, key: str, module: str) -> list[int]:
+        return [self.config.audio.dim] * 3  # the encoder's fused q/k/v (Voxtral's audio tower); the decoder has none
+
+    def to_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict of ours (or already HF-layout) -> transformers' names (the encoder's q/k/v split)."""
+        return fused.to_hf(state, self._sizes)
+
+    def from_hf_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return fused.from_hf(state, self.state_dict().keys(), self._sizes)
 
 
 # ---------------------------------------------------------------- the exported methods as modules

@@ -23,7 +23,8 @@ SMALL = WhisperConfig(
 def to_ct2(model: Whisper) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Our state dict in CTranslate2's WhisperSpec layout (written independently of the converter: fused
     projections with a zero key bias, gamma/beta norms, scalars), float16 as the shipped file."""
-    sd = {k: v.detach().numpy().astype(np.float16) for k, v in model.state_dict().items() if "kv_cache" not in k}
+    state = model.to_hf_layout(model.state_dict())  # the encoder's q/k/v as three, as CTranslate2 names them
+    sd = {k: v.detach().numpy().astype(np.float16) for k, v in state.items() if "kv_cache" not in k}
     c = model.config
     out: dict[str, np.ndarray] = {}
 
@@ -74,8 +75,9 @@ def to_ct2(model: Whisper) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 def small():
     torch.manual_seed(0)
     model = Whisper(SMALL).init_weights(3)
-    with torch.no_grad():  # non-trivial biases and norms, so a swapped q/v or gamma/beta shows
-        for p in model.parameters():
+    with torch.no_grad():  # non-trivial biases and norms, so a swapped q/v or gamma/beta shows (the key rows of the
+        # encoder's fused bias stay zero: transformers' layout, views of ours, has no key bias)
+        for p in model.to_hf_layout(dict(model.named_parameters())).values():
             if p.dim() == 1:
                 p.add_(torch.randn(p.shape) * 0.1)
     variables, aliases = to_ct2(model)

@@ -112,7 +112,7 @@ def test_eager_logits_match_transformers_whisper_on_the_same_weights(whisper, ea
     transformers = pytest.importorskip("transformers")
     model = whisper[0]
     hf = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**model.config.to_hf())).eval()
-    state = {f"model.{k}": v for k, v in model.state_dict().items() if "kv_cache" not in k}
+    state = {f"model.{k}": v for k, v in model.to_hf_layout(model.state_dict()).items() if "kv_cache" not in k}
     state["proj_out.weight"] = state["model.decoder.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)
     from runner.audio import load_audio

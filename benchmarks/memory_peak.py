@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from runner.app.options import Environment, add_runtime_flags, runtime_options
 from runner.audio import load_audio
 from runner.families.voxtral import Tekken, transcription_prompt
 from runner.runtime.engine import ProgramEngine
 from runner.runtime.generate import GenerationOptions, MultimodalRunner
-from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
 
 MIB = 2**20
@@ -97,15 +97,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--encoder-chunks", type=int, default=0, help="as run's flag")
-    ap.add_argument("--prefill-chunk", type=int, default=0, help="as run's flag")
+    add_runtime_flags(ap)  # run's own switches (--encoder-chunks, --prefill-chunk, …), parsed as run parses them
     args = ap.parse_args()
 
     program = Program.load(args.bundle, device="cuda")
-    engine = ProgramEngine(
-        program, RuntimeOptions(encoder_chunks=args.encoder_chunks, prefill_chunk=args.prefill_chunk)
-    )
-    engine.warm_up()  # as `run` loads a bundle
+    options = runtime_options(args, Environment.read())
+    engine = ProgramEngine(program, options)
+    if options.warm_up:  # as `run` loads a bundle
+        engine.warm_up()
     tok = Tekken.from_file(Path(args.bundle) / program.manifest.model["tokenizer"])
     runner = MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"))
     segments = transcription_prompt(tok, load_audio(args.audio), "en")

@@ -86,7 +86,8 @@ INT4_ARGS=${INT4_ARGS:---parts check,gemv,step,agree}  # int4_kernels.py's flags
 TP_FILES=${TP_FILES:-64}
 TP_BATCHES=${TP_BATCHES:-1,8,32}
 BUNDLE_24B=${BUNDLE_24B:-artifacts/24b}
-COMPARE_24B=${COMPARE_24B:-hf,hf-compile}  # transformers reads the bundle's weights on the host where two copies do not fit
+# transformers reads the bundle's weights on the host where two copies do not fit
+COMPARE_24B=${COMPARE_24B:-hf,hf-compile}
 MIN_MODE_S=20  # a mode with less time than this left is skipped, not started
 
 BUNDLE=${BUNDLE:-artifacts/3b}

@@ -4,8 +4,8 @@ Parameter names follow what `VoxtralForConditionalGeneration.save_pretrained` wr
 `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`), except that the q/k/v and
 gate/up projections are fused (`qkv_proj`, `gate_up_proj`): in the decoder one GEMV instead of three and two per
 decode step (measured on the H200: 2.78 -> 2.28 ms for the step's matmuls), in the encoder one matmul instead of
-three. `models/fused.py` converts between the two layouts. The decoder holds a static KV cache as buffers (gpt-fast style): the exported
-text_decoder mutates it in place at `cache_position`.
+three. `models/fused.py` converts between the two layouts. The decoder holds a static KV cache as buffers
+(gpt-fast style): the exported text_decoder mutates it in place at `cache_position`.
 """
 
 from __future__ import annotations

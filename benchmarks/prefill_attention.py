@@ -5,6 +5,10 @@ by each backend that takes the shape, each call one CUDA graph replayed back to 
 half (each query against its own and earlier positions); errors are against the math backend in float32,
 relative to the output's scale.
 
+Then the MLP's SiLU(gate) * up at each length: our op (`kernels_prefill.silu_mul`, over a few tiles) against
+Inductor's fused kernel for the same torch ops (torch.compile, as the export compiles them); GB/s count the bytes
+read and written once.
+
 Then the audio encoder's attention (bidirectional, 20 heads of 64 over each 30 s chunk's 1500 positions) by each
 SDPA backend at 1 and 20 chunks: the exported encoder calls SDPA, and the backend the export picks is the one
 `sdpa default` runs here.
@@ -29,18 +33,21 @@ from runner.models.voxtral_config import AudioConfig, TextConfig
 
 DEV, BF16 = "cuda", torch.bfloat16
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the table's first, then the Triton tutorial's Hopper candidates
+SILU_GRID = [KP.SILU_MUL_CONFIG, (1, 1024, 4), (4, 1024, 8), (8, 512, 4), (1, 2048, 8)]
 GRID = [KP.prefill_config(128), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 3)]
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
 
 
-def timed(who: str, fn, ref, flop: float, **extra) -> dict:
-    """fn's error against ref and its time as a graph; a config or backend that fails is a row with its error."""
+def timed(who: str, fn, ref, flop: float = 0.0, moved: float = 0.0, **extra) -> dict:
+    """fn's error against ref and its time as a graph, its rate in TFLOP/s of `flop` or GB/s of `moved` bytes; a
+    config or backend that fails is a row with its error."""
     try:
         err = rel_err(fn(), ref)  # also compiles a Triton config before the capture
         ms = graph_ms(fn, 10)
     except Exception as e:  # noqa: BLE001 - one failing row (shared memory, a backend's shape rules) is not the end
         return {"who": who, "error": str(e).splitlines()[0][:200], **extra}
-    return {"who": who, "ms": ms, "tflops": flop / ms / 1e9, "rel_err": err, **extra}
+    rate = {"tflops": flop / ms / 1e9} if flop else {"gb_s": moved / ms / 1e6}
+    return {"who": who, "ms": ms, **rate, "rel_err": err, **extra}
 
 
 def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
@@ -74,6 +81,23 @@ def one_length(c: TextConfig, kc, vc, s: int) -> list[dict]:
     return rows
 
 
+def silu_mul_rows(c: TextConfig, s: int) -> list[dict]:
+    gate_up = torch.randn(1, s, 2 * c.ffn_dim, dtype=BF16, device=DEV)
+    moved = gate_up.numel() * 1.5 * gate_up.element_size()  # read gate and up, write half as many
+
+    def mlp_act(gu):  # the model's written-out form (MLP.forward)
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    ref = mlp_act(gate_up.float())
+    inductor = torch.compile(mlp_act, dynamic=False)
+    rows = [timed("inductor", lambda: inductor(gate_up), ref, moved=moved)]
+    return rows + [
+        timed(f"ours {cfg}", lambda cfg=cfg: KP._launch_silu_mul(gate_up, cfg), ref, moved=moved, config=cfg)
+        for cfg in SILU_GRID
+    ]
+
+
 def encoder_chunks(a: AudioConfig, chunks: int) -> list[dict]:
     t, h = a.max_source_positions, a.n_heads
     d = a.dim // h
@@ -105,7 +129,8 @@ def exported_attention(a: AudioConfig) -> list[str]:
 def report(what: str, rows: list[dict]) -> None:
     for r in sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"]):
         print(
-            f"{what}: {r['who']:<32} {r['ms']:8.3f} ms {r['tflops']:5.0f} TFLOP/s, rel err {r['rel_err']:.1e}",
+            f"{what}: {r['who']:<32} {r['ms']:8.3f} ms {r.get('tflops') or r['gb_s']:5.0f} "
+            f"{'TFLOP/s' if 'tflops' in r else 'GB/s'}, rel err {r['rel_err']:.1e}",
             flush=True,
         )
     for r in rows:
@@ -136,6 +161,8 @@ def main() -> None:
         for s in lengths:
             results["lengths"][s] = rows = one_length(c, kc, vc, s)
             report(f"prefill attention, {s} positions", rows)
+            results.setdefault("silu_mul", {})[s] = rows = silu_mul_rows(c, s)
+            report(f"silu_mul, {s} rows", rows)
         for n in chunk_counts:
             results["encoder"][n] = rows = encoder_chunks(AudioConfig(), n)
             report(f"encoder attention, {n} chunks", rows)

@@ -16,6 +16,10 @@ The op reads those rows straight from the qkv projection's output and applies Ro
 writes o_proj's input ([S, H * D]): the queries' RoPE and the two layout copies around the attention, written as
 torch ops, were three kernels per layer (≈ 0.9 ms of the 30 s prefill, ≈ 16 ms of the 10-minute one on an H100:
 Inductor recomputed cos/sin inside each, benchmarks/NOTES.md item 58).
+
+`silu_mul`: the MLP's SiLU(gate) * up on the gate_up projection's output, one pass at the bus rate. Inductor's
+fused kernel for the same two ops ran at ≈ 1.3 TB/s on an H100 (its GELU in the encoder, 2.8), 8.7 ms of the
+10-minute prefill (NOTES item 61).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from runner.models.voxtral import PrefillKernels
 
 LOG2E = 1.4426950408889634
 
@@ -185,5 +191,49 @@ def prefill_attention(
 
 
 def attend(qkv, cos, sin, k_cache, v_cache, cache_position, rep: int) -> torch.Tensor:
-    """The model's hook (TextDecoder's `attend`): this op, as one node in the exported graph."""
+    """The model's hook (PrefillKernels.attend): this op, as one node in the exported graph."""
     return torch.ops.voxtral.prefill_attention(qkv, cos, sin, k_cache, v_cache, cache_position, rep)
+
+
+# (BLOCK_R rows, BLOCK_C columns, num_warps): each thread moves 16-byte vectors; see benchmarks/prefill_attention.py
+SILU_MUL_CONFIG = (2, 1024, 4)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n_rows, FFN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (row block, column block): out[r, c] = silu(gate[r, c]) * up[r, c], gate = gu[r, :FFN], up = gu[r,
+    FFN:]. Rounded as the eager model rounds: SiLU in float32 to the dtype, then the product in float32 to it."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (rows < n_rows)[:, None] & (cols < FFN)[None, :]
+    gate_at = gu_ptr + rows[:, None].to(tl.int64) * (2 * FFN) + cols[None, :]
+    gate = tl.load(gate_at, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_at + FFN, mask=ok, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out_at = out_ptr + rows[:, None].to(tl.int64) * FFN + cols[None, :]
+    tl.store(out_at, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_silu_mul(gate_up: torch.Tensor, config=None) -> torch.Tensor:
+    block_r, block_c, warps = config or SILU_MUL_CONFIG
+    gate_up = gate_up.contiguous()  # no copy: as the projection writes it
+    ffn = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], ffn)
+    rows = gate_up.numel() // (2 * ffn)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(ffn, block_c))  # rows first: grid dim 0 has no 65535 cap
+    wrap_triton(_silu_mul_kernel)[grid](gate_up, out, rows, FFN=ffn, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
+
+
+@triton_op("voxtral::silu_mul", mutates_args={})
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 * F] (gate columns, then up: the fused projection's output) -> silu(gate) * up [..., F]."""
+    return _launch_silu_mul(gate_up)
+
+
+def activate(gate_up: torch.Tensor) -> torch.Tensor:
+    """The model's hook (PrefillKernels.silu_mul): the op, as one node in the exported graph."""
+    return torch.ops.voxtral.silu_mul(gate_up)
+
+
+KERNELS = PrefillKernels(attend=attend, silu_mul=activate)  # what the CUDA text_decoder's prompt runs through

@@ -98,7 +98,7 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
 
 def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference: nn.Module) -> MethodPlan:
     """text_decoder: a prompt into an empty cache, attending to the prompt alone, so the cost follows the prompt,
-    not the cache. On CUDA through the Triton flash attention (torch 2.11 CUDA could not export the written-out
+    not the cache. On CUDA through the Triton flash attention and SiLU · up (torch 2.11 CUDA could not export the written-out
     prompt-only form for a dynamic length, benchmarks/NOTES.md item 32), with the whole-cache decoder as its
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
     with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
@@ -108,7 +108,7 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     if tiles:
         from runner.export import kernels_prefill  # imports Triton
 
-        module = model.prefiller(attend=kernels_prefill.attend)
+        module = model.prefiller(kernels_prefill.KERNELS)
     else:
         module = model.decoder() if dev.type == "cuda" else model.prefiller()
     plan = MethodPlan(

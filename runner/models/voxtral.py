@@ -10,6 +10,9 @@ three. `models/fused.py` converts between the two layouts. The decoder holds a s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,6 +85,19 @@ class Projector(nn.Module):
 
 
 # ---------------------------------------------------------------- text decoder (Llama)
+
+
+@dataclass(frozen=True)
+class PrefillKernels:
+    """Ops a prompt's layers call instead of their written-out torch form (the CUDA export's Triton ops,
+    export/kernels_prefill.py); None: written out."""
+
+    # (qkv, cos, sin, k_cache, v_cache, cache_position, rep) -> o_proj's input: kernels_prefill.prefill_attention
+    attend: Callable | None = None
+    silu_mul: Callable | None = None  # gate_up -> silu(gate) * up: kernels_prefill.silu_mul
+
+
+WRITTEN_OUT = PrefillKernels()
 
 
 class RMSNorm(nn.Module):
@@ -173,7 +189,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)  # gate rows, then up rows
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, silu_mul=None):
+        if silu_mul is not None:
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -186,9 +204,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
 
-    def forward(self, x, cos, sin, input_pos, mask, attend=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, input_pos, mask, kernels: PrefillKernels = WRITTEN_OUT):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, kernels.attend)
+        return x + self.mlp(self.post_attention_layernorm(x), kernels.silu_mul)
 
 
 class TextModel(nn.Module):
@@ -210,12 +228,11 @@ class TextDecoder(nn.Module):
     """The decoder body without the embedding table: any positions, attending to the cache (decode steps, the
     eager reference). With `prefill`, what the exported text_decoder method holds: a prompt from position 0 into
     an empty cache (the runtime prefills a whole prompt in one call, always from an empty cache): it attends to the
-    prompt alone, through `attend` where given (qkv, cos, sin, k_cache, v_cache, cache_position, rep -> o_proj's
-    input: kernels_prefill.prefill_attention's contract), else written out."""
+    prompt alone, through `kernels` where given, else written out."""
 
-    def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False, attend=None):
+    def __init__(self, c: TextConfig, lm: LanguageModel, prefill: bool = False, kernels: PrefillKernels = WRITTEN_OUT):
         super().__init__()
-        self.c, self.prefill, self.attend = c, prefill, attend
+        self.c, self.prefill, self.kernels = c, prefill, kernels
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor, every_position: bool = False) -> torch.Tensor:
@@ -228,7 +245,7 @@ class TextDecoder(nn.Module):
         cos, sin = rope(cache_position, self.c.head_dim, self.c.rope_theta, embeds.dtype)
         x = embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, cache_position, mask, self.attend)
+            x = layer(x, cos, sin, cache_position, mask, self.kernels)
         if every_position:
             return self.lm_head(self.norm(x[0])).float()
         # one row: an int4 lm_head through tinygemm, not its 0.8 GB (3B) dequantised for one position
@@ -277,11 +294,11 @@ class Voxtral(nn.Module):
     def decoder(self) -> TextDecoder:
         return TextDecoder(self.config.text, self.language_model)
 
-    def prefiller(self, attend=None) -> TextDecoder:
+    def prefiller(self, kernels: PrefillKernels = WRITTEN_OUT) -> TextDecoder:
         """The decoder for a prompt into an empty cache (the exported text_decoder): it attends to the prompt alone,
-        so the cost follows the prompt, not the cache. `attend`: the attention kernel (the CUDA export's Triton
-        op; torch 2.11 CUDA could not export the written-out form for a dynamic length, NOTES.md item 32)."""
-        return TextDecoder(self.config.text, self.language_model, prefill=True, attend=attend)
+        so the cost follows the prompt, not the cache. `kernels`: the CUDA export's Triton ops (torch 2.11 CUDA
+        could not export the written-out attention for a dynamic length, NOTES.md item 32)."""
+        return TextDecoder(self.config.text, self.language_model, prefill=True, kernels=kernels)
 
     def init_weights(self, seed: int) -> Voxtral:
         """Deterministic random init (models/fused.py: normal(0, initializer_range), norms at one, biases zero)."""

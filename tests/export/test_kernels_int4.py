@@ -95,7 +95,7 @@ def test_an_int4_prefill_exports_through_the_op_and_leaves_the_model_as_it_was(m
     m = Voxtral(preset("tiny")).init_weights(seed=5).to(DEV, dtype)
     apply_quant(m, "voxtral", "int4")
     m.setup_caches(32)
-    prefill = m.prefiller(attend=KP.attend if cuda else None)
+    prefill = m.prefiller(KP.KERNELS) if cuda else m.prefiller()
     emb = torch.randn(1, 6, m.config.text.dim, device=DEV).to(dtype)
     pos = torch.arange(6, device=DEV)
     seq = torch.export.Dim("seq", min=1, max=32)

@@ -83,7 +83,7 @@ def test_tiny_prefill_through_the_op_matches_the_written_out_prefill():
     emb = (torch.randn(1, 23, cfg.text.dim, generator=g) * 0.5).to(DEV, DOT_DTYPE)
     pos = torch.arange(23, device=DEV)
     results = []
-    for decoder in (m.prefiller(attend=KP.attend), m.prefiller(), m.decoder()):
+    for decoder in (m.prefiller(KP.KERNELS), m.prefiller(), m.decoder()):
         m.reset_caches()
         logits = decoder(emb, pos)
         caches = [layer.self_attn.kv_cache.k_cache.clone() for layer in m.language_model.model.layers]
@@ -105,7 +105,7 @@ def test_the_tiny_prefill_in_pieces_is_the_whole_prefill():
     m.setup_caches(64)
     g = torch.Generator().manual_seed(1)
     emb = (torch.randn(1, 23, cfg.text.dim, generator=g) * 0.5).to(DEV, DOT_DTYPE)
-    prefill = m.prefiller(attend=KP.attend)
+    prefill = m.prefiller(KP.KERNELS)
     runs = []
     for pieces in ([(0, 23)], [(0, 8), (8, 16), (16, 23)]):
         m.reset_caches()
@@ -148,3 +148,44 @@ def test_the_3b_tile_compiles_for_the_h200_and_writes_only_its_output():
     got = on_h200_target(COMPILE)
     assert got["writes"] == ["out_ptr"]
     assert got["wgmma"] and got["pipelined"] and 0 < got["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("rows,ffn", [(1, 16), (5, 48), (37, 1024), (3, 1100)])  # one row, ragged, block edges
+@pytest.mark.parametrize("config", [(2, 1024, 4), (4, 64, 2), (1, 16, 1)])
+def test_silu_mul_is_the_eager_mlp_activation(rows, ffn, config):
+    """SiLU(gate) * up on the gate_up projection's output in 16 bits, as the eager model computes it: equal bit for
+    bit (each product rounded where eager rounds it), whatever the tile, the row count and a partial last block.
+    (float16 on a CPU: the interpreter casts float32 to bfloat16 by truncation, the GPU rounds to nearest.)"""
+    g = torch.Generator().manual_seed(rows * 7 + ffn)
+    gate_up = (torch.randn(1, rows, 2 * ffn, generator=g) * 3).to(DEV, DOT_DTYPE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = KP._launch_silu_mul(gate_up, config)
+    assert got.shape == (1, rows, ffn) and got.dtype == DOT_DTYPE
+    want = F.silu(gate) * up
+    assert (got.float() - want.float()).abs().max().item() <= 1e-2 * want.float().abs().max().item()
+    assert (got != want).float().mean().item() < 0.01  # exp's last bits may move a rounding, rarely
+
+
+SILU_MUL = r"""
+from runner.export import kernels_prefill as KP
+
+block_r, block_c, warps = KP.SILU_MUL_CONFIG
+consts = {"FFN": 8192, "BLOCK_R": block_r, "BLOCK_C": block_c}
+sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "n_rows": "i32", **dict.fromkeys(consts, "constexpr")}
+names = KP._silu_mul_kernel.arg_names
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("gu_ptr", "out_ptr")}
+k = triton.compile(ASTSource(KP._silu_mul_kernel, sig, consts, attrs), target=H200, options={"num_warps": warps})
+z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
+writes = written(KP._silu_mul_kernel, dict(gu_ptr=z(4 * 16384), out_ptr=z(4 * 8192), n_rows=4, **consts))
+ptx = k.asm["ptx"]
+print(json.dumps({"v4_loads": ptx.count("ld.global.v4"), "v4_stores": ptx.count("st.global.v4"),
+                  "scalar_loads": ptx.count("ld.global.b16") + ptx.count("ld.global.u16"), "writes": writes}))
+"""
+
+
+def test_silu_mul_compiles_to_16_byte_loads_and_stores_for_the_h200():
+    """The op exists because Inductor's kernel for the same ops moved ≈ 1.3 TB/s (NOTES item 61): compiled for
+    sm_90 here, its loads and stores are 16-byte vectors (no 2-byte ones) and it writes its output alone."""
+    got = on_h200_target(SILU_MUL)
+    assert got["writes"] == ["out_ptr"]
+    assert got["v4_loads"] >= 2 and got["v4_stores"] >= 1 and got["scalar_loads"] == 0

@@ -3,7 +3,8 @@
 1. check: each kernel against torch on the 3B shapes (bf16), error relative to the output's scale.
 2. gemv: every (BLOCK_N, BLOCK_K, warps, stages) of a grid per GEMV kind, each over the 30 layers' distinct
    weights in one CUDA graph (nothing served from L2), against torch's F.linear (cuBLAS) on the same weights.
-3. attention: splits x BLOCK_T at two cache fills, against the written-out attention the exported model uses.
+3. attention: splits x BLOCK_T at two cache fills (a long cache: warps and stages too), against the written-out
+   attention the exported model uses.
 4. step: the whole decode step (30 layers + lm_head) as one CUDA graph: the eager decoder at S = 1 (cuBLAS), the
    DecodeStep with the best configs eager, and the DecodeStep under torch.compile (Inductor fuses the rope and
    the cache write as AOTInductor will); logits compared with the eager decoder.
@@ -172,33 +173,41 @@ def sweep_attention(lm, c, results, fills=(512, 1000)) -> dict:
         cos, sin = (t[0] for t in rope(pos, d, c.rope_theta, BF16))
         q = apply_rope(qkv[: c.n_heads * d].view(c.n_heads, d), cos, sin)
 
-        def fused(p=pos, s=None, b=None, kc_vc=caches, cos=cos, sin=sin):
+        def fused(p=pos, s=None, b=None, kc_vc=caches, cos=cos, sin=sin, launch=None):
             # the counters need no zeroing between calls: the last split of each head resets its count
-            return [K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, splits=s, block_t=b) for kc, vc in kc_vc]
+            return [K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b, launch) for kc, vc in kc_vc]
 
         ref_ms = graph_ms(lambda p=pos, q=q: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
         max_seq = caches[0][0].shape[-2]
-        long = (32, 64) if max_seq >= K.LONG_CACHE else ()  # a long cache's fills: more programs than 132 SMs
-        for splits, bt in itertools.product((1, 2, 4, 8, 16, *long), (32, 64, 128)):
-            got = fused(pos, splits, bt, caches[:1])[0]
+        long = max_seq >= K.LONG_CACHE
+        grid = [
+            (s, b, None) for s, b in itertools.product((1, 2, 4, 8, 16, *((32, 64) if long else ())), (32, 64, 128))
+        ]
+        if long:  # a long cache's fills: one program of 4 warps per SM may hold too few loads in flight
+            grid += [(s, b, {"num_warps": w, "num_stages": st}) for s, b, w, st in itertools.product(
+                (8, 16, 32), (64, 128), (4, 8), (2, 4))]  # fmt: skip
+        for splits, bt, launch in grid:
+            got = fused(pos, splits, bt, caches[:1], launch=launch)[0]
             err = rel_err(got, reference_attention(q, *caches[0], pos, rep, d))
-            ms = graph_ms(lambda p=pos, s=splits, b=bt: fused(p, s, b), 20)
-            rows.append((ms, splits, bt, err))
-        rows.sort()
-        ms, splits, bt, err = rows[0]
+            ms = graph_ms(lambda p=pos, s=splits, b=bt, la=launch: fused(p, s, b, launch=la), 20)
+            rows.append((ms, splits, bt, err, launch or {}))
+        rows.sort(key=lambda r: r[0])
+        ms, splits, bt, err, launch = rows[0]
         out[fill] = {
             "splits": splits,
             "block_t": bt,
+            "launch": launch,
             "us_per_layer": ms * 1e3 / len(caches),
             "reference_us_per_layer": ref_ms * 1e3 / len(caches),
             "rel_err": err,
             "max_rel_err_any_config": max(r[3] for r in rows),
-            "top5": [(round(r[0] * 1e3 / len(caches), 2), r[1], r[2]) for r in rows[:5]],
+            "top5": [(round(r[0] * 1e3 / len(caches), 2), r[1], r[2], r[4]) for r in rows[:5]],
         }
         o = out[fill]
         print(
-            f"attention, {fill} positions: best splits={splits} BLOCK_T={bt} {o['us_per_layer']:.2f} us/layer "
+            f"attention, {fill} positions: best splits={splits} BLOCK_T={bt} {launch or ''} "
+            f"{o['us_per_layer']:.2f} us/layer "
             f"(written-out {o['reference_us_per_layer']:.2f}); rel err {err:.1e}, worst config "
             f"{o['max_rel_err_any_config']:.1e}",
             flush=True,

@@ -388,8 +388,9 @@ def _attention_kernel(
 
 
 def _launch_attention(
-    qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None, *, pdl=False
+    qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None, launch=None, *, pdl=False
 ):
+    """`launch`: Triton's launch options (num_warps, num_stages) for a sweep; the table's otherwise."""
     n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n_heads = qkv.shape[0] // d - 2 * n_kv
     splits, block_t = splits or attention_splits(max_seq), block_t or ATTN_BLOCK_T
@@ -422,7 +423,7 @@ def _launch_attention(
         BLOCK_T=block_t,
         SPLITS=splits,
         PDL=pdl,
-        num_warps=4,
+        **(launch or {"num_warps": 4}),
     )
     return out
 

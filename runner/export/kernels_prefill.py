@@ -20,6 +20,10 @@ Inductor recomputed cos/sin inside each, benchmarks/NOTES.md item 58).
 `silu_mul`: the MLP's SiLU(gate) * up on the gate_up projection's output, one pass at the bus rate. Inductor's
 fused kernel for the same two ops ran at ≈ 1.3 TB/s on an H100 (its GELU in the encoder, 2.8), 8.7 ms of the
 10-minute prefill (NOTES item 61).
+
+`add_layer_norm`: the audio encoder's residual add and the LayerNorm after it in one pass that reads each row once.
+Inductor fuses the two into a looped reduction that reads its inputs again for the normalisation: ≈ 1.6–1.8 TB/s
+counted once, 10.2 ms of the 10-minute prompt's encoder on an H100 (NOTES item 62).
 """
 
 from __future__ import annotations
@@ -231,9 +235,59 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _launch_silu_mul(gate_up)
 
 
+@triton.jit
+def _add_layer_norm_kernel(
+    x_ptr, delta_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, EPS: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Program r: sum = x[r] + delta[r], rounded to the dtype (the eager model's residual stream), then
+    LayerNorm(sum) in float32 over its N columns -> both rows, each read and written once."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_N)
+    ok = c < N
+    x = tl.load(x_ptr + r * N + c, mask=ok, other=0.0)
+    total = (x.to(tl.float32) + tl.load(delta_ptr + r * N + c, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+    tl.store(sum_ptr + r * N + c, total, mask=ok)
+    h = total.to(tl.float32)
+    mean = tl.sum(h, axis=0) / N
+    centred = tl.where(ok, h - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / N + EPS)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * N + c, (centred * rstd * w + b).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_add_layer_norm(x, delta, weight, bias, eps: float, warps: int = 4):
+    x, delta = x.contiguous(), delta.contiguous()  # no copies: the residual stream and a GEMM's output
+    n = x.shape[-1]
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    rows = x.numel() // n
+    block = triton.next_power_of_2(n)
+    # eps a constant: as a float argument Inductor passes it as a float64 (NOTES item 11)
+    wrap_triton(_add_layer_norm_kernel)[(rows,)](
+        x, delta, weight, bias, total, out, EPS=eps, N=n, BLOCK_N=block, num_warps=warps
+    )
+    return total, out
+
+
+@triton_op("voxtral::add_layer_norm", mutates_args={})
+def add_layer_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [..., N] (the residual stream and what a block adds to it) -> (x + delta, LayerNorm(x + delta)
+    with weight, bias [N] and eps), in x's dtype."""
+    return _launch_add_layer_norm(x, delta, weight, bias, eps)
+
+
+def add_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's hook (PrefillKernels.add_norm): the op, as one node in the exported graph."""
+    return torch.ops.voxtral.add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps)
+
+
 def activate(gate_up: torch.Tensor) -> torch.Tensor:
     """The model's hook (PrefillKernels.silu_mul): the op, as one node in the exported graph."""
     return torch.ops.voxtral.silu_mul(gate_up)
 
 
-KERNELS = PrefillKernels(attend=attend, silu_mul=activate)  # what the CUDA text_decoder's prompt runs through
+KERNELS = PrefillKernels(
+    attend=attend, silu_mul=activate, add_norm=add_norm
+)  # what the CUDA text_decoder's prompt runs through

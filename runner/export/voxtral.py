@@ -59,25 +59,13 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
     emb = lambda s: (torch.randn(1, s, H, generator=g) * 0.5).to(dev, dtype)  # noqa: E731
     # one chunk at most: a static chunk dim (torch.export refuses Dim(min=1, max=1))
     chunks, seq = (Dim("chunks", min=1, max=K) if K > 1 else Dim.STATIC), Dim("seq", min=1, max=S)
-    mel_dims = [dim(1, K), c.audio.n_mels, 3000]
     m = voxtral.methods(model)
     state = kv_cache_state(c.text.n_layers, [1, c.text.n_kv_heads, S, c.text.head_dim], dtype)
     small = min(2, K)
     batched = [batch_plan(model, opts, state)] if opts.max_batch > 1 else []
     return [
         preprocessor_plan(c.audio.n_mels, dev, K, [(wave(1),), (wave(small),)]),
-        MethodPlan(
-            "audio_encoder",
-            m.audio_encoder,
-            (mel(min(2, K)),),
-            ({0: chunks},),
-            method_spec(
-                "audio_encoder",
-                [("mel", dtype_name(dtype), mel_dims)],
-                [("audio_embeds", dtype_name(dtype), [1, dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), H])],
-            ),
-            [(mel(small),), (mel(1),)],
-        ),
+        encoder_plan(model, opts, m.audio_encoder, mel, chunks),
         MethodPlan(
             "token_embedding",
             m.token_embedding,
@@ -94,6 +82,32 @@ def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
         step_plan(model, opts, state, emb, m.text_decoder),
         *batched,
     ]
+
+
+def encoder_plan(model: Voxtral, opts: ExportOptions, written_out: nn.Module, mel, chunks) -> MethodPlan:
+    """audio_encoder: on CUDA its residual adds and LayerNorms through the Triton op of kernels_prefill.py (one pass
+    over each row; Inductor's fused kernel read them twice), with the written-out encoder as its fallback."""
+    c, dtype, K = model.config, DTYPES[opts.dtype], opts.max_audio_chunks
+    small = min(2, K)
+    plan = MethodPlan(
+        "audio_encoder",
+        written_out,
+        (mel(small),),
+        ({0: chunks},),
+        method_spec(
+            "audio_encoder",
+            [("mel", dtype_name(dtype), [dim(1, K), c.audio.n_mels, 3000])],
+            [("audio_embeds", dtype_name(dtype), [1, dim(TOKENS_PER_CHUNK, K * TOKENS_PER_CHUNK), c.text.dim])],
+        ),
+        [(mel(small),), (mel(1),)],
+    )
+    if torch.device(opts.device).type != "cuda":
+        return plan
+    from runner.export import kernels_prefill  # imports Triton
+
+    fallback = replace(plan, key_extra={"fallback": "written-out"})
+    module = voxtral.AudioEncoderMethod(model, kernels_prefill.KERNELS)
+    return replace(plan, module=module, reference=written_out, fallback=fallback)
 
 
 def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference: nn.Module) -> MethodPlan:

@@ -23,6 +23,26 @@ from runner.models.methods import Methods
 from runner.models.quant_linear import few_rows
 from runner.models.voxtral_config import PROJECTOR_GROUP, AudioConfig, TextConfig, VoxtralConfig
 
+
+def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + delta
+    return x, norm(x)
+
+
+@dataclass(frozen=True)
+class PrefillKernels:
+    """Ops the prompt's layers (audio encoder, text decoder) call instead of their written-out torch form: the CUDA
+    export's Triton ops, export/kernels_prefill.py. None: written out."""
+
+    # (qkv, cos, sin, k_cache, v_cache, cache_position, rep) -> o_proj's input: kernels_prefill.prefill_attention
+    attend: Callable | None = None
+    silu_mul: Callable | None = None  # gate_up -> silu(gate) * up: kernels_prefill.silu_mul
+    add_norm: Callable = _add_norm  # (x, delta, LayerNorm) -> (x + delta, its norm): kernels_prefill.add_layer_norm
+
+
+WRITTEN_OUT = PrefillKernels()
+
+
 # ---------------------------------------------------------------- audio tower (Whisper encoder)
 
 
@@ -51,9 +71,11 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(c.ffn_dim, c.dim)
         self.final_layer_norm = nn.LayerNorm(c.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x))
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+    def forward(self, x, h, next_norm: nn.Module, add_norm=_add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, h: its self_attn_layer_norm (the layer before computed it with its own residual
+        add: one pass, `add_norm`) -> the stream after this layer and its `next_norm`."""
+        x, h = add_norm(x, self.self_attn(h), self.final_layer_norm)
+        return add_norm(x, self.fc2(F.gelu(self.fc1(h))), next_norm)
 
 
 class AudioTower(nn.Module):
@@ -65,13 +87,15 @@ class AudioTower(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.n_layers))
         self.layer_norm = nn.LayerNorm(c.dim)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+    def forward(self, mel: torch.Tensor, kernels: PrefillKernels = WRITTEN_OUT) -> torch.Tensor:
         x = F.gelu(self.conv1(mel))  # mel: [chunks, n_mels, 3000]
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # [chunks, 1500, d]
         x = x + self.embed_positions.weight.to(x.dtype)
-        for layer in self.layers:
-            x = layer(x)
-        return self.layer_norm(x)
+        h = self.layers[0].self_attn_layer_norm(x)
+        next_norms = [layer.self_attn_layer_norm for layer in self.layers[1:]] + [self.layer_norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            x, h = layer(x, h, next_norm, kernels.add_norm)
+        return h
 
 
 class Projector(nn.Module):
@@ -85,19 +109,6 @@ class Projector(nn.Module):
 
 
 # ---------------------------------------------------------------- text decoder (Llama)
-
-
-@dataclass(frozen=True)
-class PrefillKernels:
-    """Ops a prompt's layers call instead of their written-out torch form (the CUDA export's Triton ops,
-    export/kernels_prefill.py); None: written out."""
-
-    # (qkv, cos, sin, k_cache, v_cache, cache_position, rep) -> o_proj's input: kernels_prefill.prefill_attention
-    attend: Callable | None = None
-    silu_mul: Callable | None = None  # gate_up -> silu(gate) * up: kernels_prefill.silu_mul
-
-
-WRITTEN_OUT = PrefillKernels()
 
 
 class RMSNorm(nn.Module):
@@ -311,15 +322,15 @@ class Voxtral(nn.Module):
 
 class AudioEncoderMethod(nn.Module):
     """mel [chunks, n_mels, 3000] -> audio embeddings [1, chunks * 375, dim]; weights `audio_tower.*`,
-    `multi_modal_projector.*`."""
+    `multi_modal_projector.*`. `kernels`: the CUDA export's (the residual adds and LayerNorms as one op)."""
 
-    def __init__(self, m: Voxtral):
+    def __init__(self, m: Voxtral, kernels: PrefillKernels = WRITTEN_OUT):
         super().__init__()
         self.audio_tower, self.multi_modal_projector = m.audio_tower, m.multi_modal_projector
-        self.group = PROJECTOR_GROUP * m.config.audio.dim
+        self.group, self.kernels = PROJECTOR_GROUP * m.config.audio.dim, kernels
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        h = self.audio_tower(mel)  # [chunks, 1500, d]
+        h = self.audio_tower(mel, self.kernels)  # [chunks, 1500, d]
         return self.multi_modal_projector(h.reshape(1, -1, self.group))  # group 4 consecutive frames
 
 

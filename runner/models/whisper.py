@@ -1,6 +1,6 @@
 """Whisper in plain PyTorch, written for torch.export: the second model family of the pipeline.
 
-The encoder *is* Voxtral's audio tower (runner/export/model.py `AudioTower`, 80 mel bins here); the decoder is
+The encoder *is* Voxtral's audio tower (runner/models/voxtral.py `AudioTower`, 80 mel bins here); the decoder is
 Whisper's: token + learned position embeddings, pre-LN layers of causal self-attention (static KV cache, as the
 Voxtral decoder's) + cross-attention over the encoder output + GELU MLP, final LayerNorm, logits tied to the
 token embedding. Parameter names are transformers' `WhisperForConditionalGeneration` names without the leading

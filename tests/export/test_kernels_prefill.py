@@ -189,3 +189,65 @@ def test_silu_mul_compiles_to_16_byte_loads_and_stores_for_the_h200():
     got = on_h200_target(SILU_MUL)
     assert got["writes"] == ["out_ptr"]
     assert got["v4_loads"] >= 2 and got["v4_stores"] >= 1 and got["scalar_loads"] == 0
+
+
+@pytest.mark.parametrize("rows,n", [(1, 16), (7, 80), (33, 1280)])  # non-power-of-two widths: the encoder's 1280
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+def test_add_layer_norm_is_the_residual_add_then_layer_norm(rows, n, dtype):
+    """(x + delta, LayerNorm(x + delta)) as the eager encoder computes them: the sum rounded to the dtype first
+    (it is the residual stream), the norm over the rounded sum; the sum equal bit for bit, the norm within float32
+    reduction order (and one rounding in 16 bits)."""
+    g = torch.Generator().manual_seed(rows + n)
+    x, delta = ((torch.randn(2, rows, n, generator=g) * 2 + 0.5).to(DEV, dtype) for _ in range(2))
+    norm = torch.nn.LayerNorm(n, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2, generator=g), norm.bias.normal_(0.0, 0.2, generator=g)
+        norm = norm.to(DEV, dtype)
+        total, out = KP._launch_add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps)
+        want = norm(x + delta)
+    assert torch.equal(total, x + delta)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert (out.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@torch.no_grad()
+def test_the_tiny_audio_encoder_through_the_op_is_the_written_out_encoder():
+    """The tiny model's audio_encoder method with the prompt's kernels (as the CUDA export holds it) against the
+    written-out method: the same audio embeddings, at one chunk and two."""
+    from runner.models.voxtral import AudioEncoderMethod
+
+    cfg = preset("tiny")
+    m = Voxtral(cfg).init_weights(seed=6).to(DEV)
+    g = torch.Generator().manual_seed(2)
+    for chunks in (1, 2):
+        mel = torch.randn(chunks, cfg.audio.n_mels, 3000, generator=g).to(DEV)
+        got, want = AudioEncoderMethod(m, KP.KERNELS)(mel), AudioEncoderMethod(m)(mel)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+ADD_LAYER_NORM = r"""
+from runner.export import kernels_prefill as KP
+
+consts = {"EPS": 1e-5, "N": 1280, "BLOCK_N": 2048}
+ptrs = ("x_ptr", "delta_ptr", "w_ptr", "b_ptr", "sum_ptr", "out_ptr")
+sig = {**dict.fromkeys(ptrs, "*bf16"), **dict.fromkeys(consts, "constexpr")}
+names = KP._add_layer_norm_kernel.arg_names
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ptrs}
+k = triton.compile(ASTSource(KP._add_layer_norm_kernel, sig, consts, attrs), target=H200, options={"num_warps": 4})
+z = lambda n: torch.zeros(n, dtype=torch.bfloat16)
+kw = dict(x_ptr=z(2 * 1280), delta_ptr=z(2 * 1280), w_ptr=z(1280), b_ptr=z(1280), sum_ptr=z(2 * 1280),
+          out_ptr=z(2 * 1280), **consts)
+writes = written(KP._add_layer_norm_kernel, kw)
+ptx = k.asm["ptx"]
+print(json.dumps({"v4_loads": ptx.count("ld.global.v4"), "writes": writes,
+                  "scalar_loads": ptx.count("ld.global.b16") + ptx.count("ld.global.u16")}))
+"""
+
+
+def test_add_layer_norm_compiles_to_16_byte_loads_for_the_h200():
+    """Compiled for sm_90 here: a row read in 16-byte vectors (the 1280 columns' mask is per 8 elements) and the
+    kernel writes its two outputs alone."""
+    got = on_h200_target(ADD_LAYER_NORM)
+    assert sorted(got["writes"]) == ["out_ptr", "sum_ptr"]
+    assert got["v4_loads"] >= 2 and got["scalar_loads"] == 0

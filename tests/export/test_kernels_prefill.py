@@ -251,3 +251,32 @@ def test_add_layer_norm_compiles_to_16_byte_loads_for_the_h200():
     got = on_h200_target(ADD_LAYER_NORM)
     assert sorted(got["writes"]) == ["out_ptr", "sum_ptr"]
     assert got["v4_loads"] >= 2 and got["scalar_loads"] == 0
+
+
+TRACE = r"""
+from runner.export import kernels_prefill as KP
+from runner.models.voxtral import AudioEncoderMethod, Voxtral
+from runner.models.voxtral_config import preset
+from torch.export import Dim, export
+
+m = Voxtral(preset("tiny")).init_weights(seed=1)
+m.setup_caches(32)
+mel = torch.randn(2, m.config.audio.n_mels, 3000)
+encoder = export(AudioEncoderMethod(m, KP.KERNELS), (mel,), dynamic_shapes=({0: Dim("chunks", min=1, max=4)},))
+seq = Dim("seq", min=1, max=32)
+decoder = export(m.prefiller(KP.KERNELS), (torch.randn(1, 6, m.config.text.dim), torch.arange(6)),
+                 dynamic_shapes=({1: seq}, {0: seq}))
+ops = lambda ep: sorted(str(n.target) for n in ep.graph.nodes if str(n.target).startswith(("voxtral.", "aten.layer_norm", "aten.silu")))
+print(json.dumps({"audio_encoder": ops(encoder), "text_decoder": ops(decoder)}))
+"""
+
+
+def test_the_cuda_methods_trace_with_each_op_as_one_node():
+    """What the CUDA export traces (torch.export at dynamic chunks and prompt lengths; tracing launches nothing, so
+    a CPU does): the encoder's 2 add-norms per layer and the decoder's attention and SiLU · up per layer, each one
+    opaque node, nothing of them written out beside."""
+    got = on_h200_target(TRACE)
+    layers_a, layers_t = preset("tiny").audio.n_layers, preset("tiny").text.n_layers
+    # the first layer's norm has no add before it (the position embedding's is fused with the convolutions')
+    assert got["audio_encoder"] == ["aten.layer_norm.default"] + ["voxtral.add_layer_norm.default"] * 2 * layers_a
+    assert got["text_decoder"] == sorted(["voxtral.prefill_attention.default", "voxtral.silu_mul.default"] * layers_t)

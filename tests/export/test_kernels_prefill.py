@@ -266,7 +266,8 @@ encoder = export(AudioEncoderMethod(m, KP.KERNELS), (mel,), dynamic_shapes=({0: 
 seq = Dim("seq", min=1, max=32)
 decoder = export(m.prefiller(KP.KERNELS), (torch.randn(1, 6, m.config.text.dim), torch.arange(6)),
                  dynamic_shapes=({1: seq}, {0: seq}))
-ops = lambda ep: sorted(str(n.target) for n in ep.graph.nodes if str(n.target).startswith(("voxtral.", "aten.layer_norm", "aten.silu")))
+named = ("voxtral.", "aten.layer_norm", "aten.silu")
+ops = lambda ep: sorted(str(n.target) for n in ep.graph.nodes if str(n.target).startswith(named))
 print(json.dumps({"audio_encoder": ops(encoder), "text_decoder": ops(decoder)}))
 """
 

@@ -288,6 +288,5 @@ def activate(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.voxtral.silu_mul(gate_up)
 
 
-KERNELS = PrefillKernels(
-    attend=attend, silu_mul=activate, add_norm=add_norm
-)  # what the CUDA text_decoder's prompt runs through
+# what the CUDA audio_encoder and text_decoder run a prompt through
+KERNELS = PrefillKernels(attend=attend, silu_mul=activate, add_norm=add_norm)

@@ -112,8 +112,8 @@ def encoder_plan(model: Voxtral, opts: ExportOptions, written_out: nn.Module, me
 
 def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference: nn.Module) -> MethodPlan:
     """text_decoder: a prompt into an empty cache, attending to the prompt alone, so the cost follows the prompt,
-    not the cache. On CUDA through the Triton flash attention and SiLU · up (torch 2.11 CUDA could not export the written-out
-    prompt-only form for a dynamic length, benchmarks/NOTES.md item 32), with the whole-cache decoder as its
+    not the cache. On CUDA through the Triton flash attention and SiLU · up (torch 2.11 CUDA could not export the
+    written-out prompt-only form for a dynamic length, benchmarks/NOTES.md item 32), with the whole-cache decoder as its
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
     with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
     An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA."""

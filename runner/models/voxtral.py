@@ -32,7 +32,7 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[to
 @dataclass(frozen=True)
 class PrefillKernels:
     """Ops the prompt's layers (audio encoder, text decoder) call instead of their written-out torch form: the CUDA
-    export's Triton ops, export/kernels_prefill.py. None: written out."""
+    export's Triton ops, export/kernels_prefill.py. The defaults: written out."""
 
     # (qkv, cos, sin, k_cache, v_cache, cache_position, rep) -> o_proj's input: kernels_prefill.prefill_attention
     attend: Callable | None = None

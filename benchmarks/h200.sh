@@ -203,6 +203,11 @@ mode_export() {
   fi
   NOTE=$(awk '/compiled in/ { n++; s += $NF } /text_decoder_step max rel/ { e = $NF }
     END { printf "%d methods compiled in %.0f s; step self-check %s", n, s, e }' "$OUT/3b_export.log")
+  # a method whose own plan did not compile (our Triton ops) holds its written-out fallback: say so in the summary
+  local fell
+  fell=$(python3 -c "import sys; from runner.bundle import read_manifest
+print(' '.join(read_manifest(sys.argv[1]).model.get('fallbacks', {})))" "$BUNDLE")
+  if [ -n "$fell" ]; then NOTE="$NOTE; FELL BACK: $fell"; fi
 }
 
 mode_bench() {

@@ -39,10 +39,12 @@ LOG2E = 1.4426950408889634
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): for a head of 128 the fastest of
-    `benchmarks/prefill_attention.py`'s grid at 385, 1885–2000 and 7510 positions on the H100 and near it on the
-    H200 (NOTES item 59); small heads (the tiny model) take small tiles."""
-    return (64, 64, 4, 3) if head_dim >= 64 else (32, 16, 4, 2)
+    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): for a head of 128, 128-row blocks. In the
+    3B bundle's 10-minute prefill on an H100 they took 1.04 ms per layer where (64, 64, 4, 3) took 1.24, though
+    64-row blocks were the fastest when one cache was timed alone (its keys still in L2 from the call before; each
+    block re-reads the keys below it, and half-size blocks re-read them twice as often: NOTES item 64). Small
+    heads (the tiny model) take small tiles."""
+    return (128, 64, 8, 3) if head_dim >= 64 else (32, 16, 4, 2)
 
 
 @triton.jit

@@ -14,11 +14,10 @@ CPU it is the plain decoder at S = 1.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner.models.quant_linear import QuantLinear, few_rows
-from runner.models.voxtral import LanguageModel, RMSNorm, rope_inv_freq
+from runner.models.voxtral import LanguageModel, RMSNorm, rope_inv_freq, silu_mul
 from runner.models.voxtral_config import TextConfig
 
 
@@ -59,8 +58,7 @@ class DecodeStep(nn.Module):
         if isinstance(lin, QuantLinear):
             y = few_rows(lin, norm(x))
             if glu:
-                gate, up = y.chunk(2)
-                return F.silu(gate) * up
+                return silu_mul(y)
             return y.float() if out_f32 else y
         return ops.rms_gemv(x, norm.weight, lin.weight, norm.eps, glu, out_f32, pdl)
 

@@ -258,7 +258,7 @@ def _add_layer_norm_kernel(
     tl.store(out_ptr + r * N + c, (centred * rstd * w + b).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_add_layer_norm(x, delta, weight, bias, eps: float, warps: int = 4):
+def _launch_add_layer_norm(x, delta, weight, bias, eps: float):
     x, delta = x.contiguous(), delta.contiguous()  # no copies: the residual stream and a GEMM's output
     n = x.shape[-1]
     total, out = torch.empty_like(x), torch.empty_like(x)
@@ -266,7 +266,7 @@ def _launch_add_layer_norm(x, delta, weight, bias, eps: float, warps: int = 4):
     block = triton.next_power_of_2(n)
     # eps a constant: as a float argument Inductor passes it as a float64 (NOTES item 11)
     wrap_triton(_add_layer_norm_kernel)[(rows,)](
-        x, delta, weight, bias, total, out, EPS=eps, N=n, BLOCK_N=block, num_warps=warps
+        x, delta, weight, bias, total, out, EPS=eps, N=n, BLOCK_N=block, num_warps=4
     )
     return total, out
 

@@ -29,6 +29,12 @@ def _add_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.Module) -> tuple[to
     return x, norm(x)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation on its fused projection's output (gate columns, then up) -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 @dataclass(frozen=True)
 class PrefillKernels:
     """Ops the prompt's layers (audio encoder, text decoder) call instead of their written-out torch form: the CUDA
@@ -36,7 +42,7 @@ class PrefillKernels:
 
     # (qkv, cos, sin, k_cache, v_cache, cache_position, rep) -> o_proj's input: kernels_prefill.prefill_attention
     attend: Callable | None = None
-    silu_mul: Callable | None = None  # gate_up -> silu(gate) * up: kernels_prefill.silu_mul
+    silu_mul: Callable = silu_mul  # gate_up -> silu(gate) * up: kernels_prefill.silu_mul
     add_norm: Callable = _add_norm  # (x, delta, LayerNorm) -> (x + delta, its norm): kernels_prefill.add_layer_norm
 
 
@@ -200,11 +206,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)  # gate rows, then up rows
         self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
-    def forward(self, x, silu_mul=None):
-        if silu_mul is not None:
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, act=silu_mul):
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

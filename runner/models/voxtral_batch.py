@@ -11,11 +11,10 @@ per step would move several times what tinygemm reads.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner.models.quant_linear import few_rows
-from runner.models.voxtral import Attention, LanguageModel, apply_rope, rope
+from runner.models.voxtral import Attention, LanguageModel, apply_rope, rope, silu_mul
 from runner.models.voxtral_config import TextConfig
 
 
@@ -110,6 +109,6 @@ class BatchDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             x = x + slot_attention(layer.self_attn, h, cos, sin, cache_position, mask, self.batch.kv(i), self.attend)
-            gate, up = few_rows(layer.mlp.gate_up_proj, layer.post_attention_layernorm(x)).chunk(2, dim=-1)
-            x = x + few_rows(layer.mlp.down_proj, F.silu(gate) * up)  # MLP.forward, its linears at a few rows
+            gate_up = few_rows(layer.mlp.gate_up_proj, layer.post_attention_layernorm(x))
+            x = x + few_rows(layer.mlp.down_proj, silu_mul(gate_up))  # MLP.forward, its linears at a few rows
         return few_rows(self.lm_head, self.norm(x[:, -1, :])).float()

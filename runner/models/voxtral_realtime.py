@@ -33,7 +33,7 @@ from torch import nn
 from runner.audio import HOP_LENGTH, N_FFT
 from runner.models import fused
 from runner.models.mel import mel_filters
-from runner.models.voxtral import RMSNorm, apply_rope, rope
+from runner.models.voxtral import RMSNorm, apply_rope, rope, silu_mul
 from runner.models.voxtral_realtime_config import ADA_DIM, CONV_STRIDE, RealtimeConfig
 
 # ---------------------------------------------------------------- streaming log-mel
@@ -147,8 +147,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn_dim, dim, bias=down_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 # ---------------------------------------------------------------- the state: one row per stream slot

@@ -8,11 +8,15 @@
 4. step: the whole decode step (30 layers + lm_head) as one CUDA graph: the eager decoder at S = 1 (cuBLAS), the
    DecodeStep with the best configs eager, and the DecodeStep under torch.compile (Inductor fuses the rope and
    the cache write as AOTInductor will); logits compared with the eager decoder.
+5. splits: attention's splits x BLOCK_T inside the whole step (one CUDA graph, programmatic edges) at each of
+   --attention-fills, in a cache of --max-seq: whether the 10-minute bundle's 16 splits cost a short position's step
+   (NOTES 53: 2.43 against 2.25 ms, the 1024 bundle's 4) and which count each position wants.
 
     python benchmarks/decode_kernels.py --out results.json     (GPU; about 3 minutes)
     python benchmarks/decode_kernels.py --parts attention,step --attention-fills 385,450,512 --fill 450
     python benchmarks/decode_kernels.py --parts tune --fill 450     (each GEMV's config inside the step)
     python benchmarks/decode_kernels.py --parts attention --max-seq 10240 --attention-fills 385,2000,7510   (long cache)
+    python benchmarks/decode_kernels.py --parts splits --max-seq 10240 --attention-fills 385,1885,7510
 """
 
 from __future__ import annotations
@@ -314,6 +318,42 @@ def tune_in_step(lm, c, results, fill: int) -> None:
         print(f"in-step attention: best {rows[0][1]} {rows[0][0]:.4f} ms/step; the table's {held} {held_ms:.4f}")
 
 
+SPLITS_GRID = [(2, 128), (4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (16, 128), (32, 64)]
+
+
+def splits_in_step(lm, c, results, fills: list[int], max_seq: int) -> None:
+    """The whole step's ms at each fill for each (splits, BLOCK_T) of SPLITS_GRID, the cache's own table first:
+    both of kernels.py's counts (ATTN_SPLITS, LONG_SPLITS) set, so the cache's size does not pick. Two passes in
+    alternating order; each config's best kept."""
+    emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
+    pdl = K.pdl_supported(emb)
+    step = DecodeStep(c, lm, pdl=pdl)
+    held = (K.ATTN_SPLITS, K.LONG_SPLITS, K.ATTN_BLOCK_T)
+    table = (K.attention_splits(max_seq), K.ATTN_BLOCK_T)
+    grid = [table] + [g for g in SPLITS_GRID if g != table]
+    out = results["splits_in_step"] = {"max_seq": max_seq, "table": table}
+    try:
+        with torch.no_grad():
+            for fill in fills:
+                pos = torch.tensor([fill], device=DEV)
+                best: dict[tuple[int, int], float] = {}
+                for order in (grid, grid[::-1]):
+                    for cfg in order:
+                        K.ATTN_SPLITS = K.LONG_SPLITS = cfg[0]
+                        K.ATTN_BLOCK_T = cfg[1]
+                        ms = graph_ms(lambda pos=pos: step(emb, pos), 30, pdl)
+                        best[cfg] = min(ms, best.get(cfg, ms))
+                rows = sorted((ms, cfg) for cfg, ms in best.items())
+                out[fill] = {"rows": rows, "table_ms": best[table]}
+                print(
+                    f"in-step splits, {fill} positions of {max_seq}: best {rows[0][1]} {rows[0][0]:.4f} ms/step; "
+                    f"the table's {table} {best[table]:.4f}",
+                    flush=True,
+                )
+    finally:
+        K.ATTN_SPLITS, K.LONG_SPLITS, K.ATTN_BLOCK_T = held
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -330,12 +370,15 @@ def main() -> None:
         "splits join the attention sweep from 4096)",
     )
     ap.add_argument(
-        "--parts", default="gemv,attention,step", help="which of gemv,attention,step,tune (in-step GEMV tuning) to run"
+        "--parts",
+        default="gemv,attention,step",
+        help="which of gemv,attention,step,tune (in-step GEMV tuning),splits (in-step attention splits) to run",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"gemv", "attention", "step", "tune"}:
-        ap.error(f"--parts: unknown {sorted(parts - {'gemv', 'attention', 'step', 'tune'})}")
+    known = {"gemv", "attention", "step", "tune", "splits"}
+    if parts - known:
+        ap.error(f"--parts: unknown {sorted(parts - known)}")
     try:
         fills = [int(f) for f in args.attention_fills.split(",")]
     except ValueError:
@@ -359,6 +402,8 @@ def main() -> None:
             time_steps(lm, c, results, args.fill)
         if "tune" in parts:
             tune_in_step(lm, c, results, args.fill)
+        if "splits" in parts:
+            splits_in_step(lm, c, results, fills, cap)
     finally:
         if args.out:
             with open(args.out, "w") as f:

@@ -341,7 +341,7 @@ mode_int4() {
   (cd benchmarks && run_for "$T_INT4" python3 int4_kernels.py "${args[@]}" --out "$OUT/int4.json" \
     > "$OUT/int4.log" 2>&1)
   local rc=$?
-  grep -E "^check|^gemv|^step|^agree" "$OUT/int4.log"
+  grep -E "^check|^gemv|^step|^agree|^prefill|int4_linear tiles" "$OUT/int4.log" | cut -c1-400
   NOTE=$(grep "^step int4" "$OUT/int4.log")
   return $rc
 }

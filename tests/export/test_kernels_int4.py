@@ -96,6 +96,16 @@ def test_an_int4_prefill_exports_through_the_op_and_leaves_the_model_as_it_was(m
     if not cuda:
         op = torch.ops.test_int4.dequantize
         monkeypatch.setattr(KI, "dequantize", lambda lin: op(lin.qweight, lin.scales_and_zeros, lin.group_size))
+    ep, layers, got, want = export_tiny_int4_prefill(fused=False)
+    assert all(x.dequantizer is None for x in layers)
+    assert sum(n.target is op.default for n in ep.graph.nodes) == len(layers) - cuda
+    assert torch.equal(got, want)
+
+
+def export_tiny_int4_prefill(fused: bool):
+    """The tiny model's int4 prefill (bf16 and the attention op on a GPU, float32 on the CPU) exported by
+    export_dequantizing at a dynamic length -> (the program, the QuantLinear layers, its logits, eager's logits)."""
+    cuda = DEV == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     m = Voxtral(preset("tiny")).init_weights(seed=5).to(DEV, dtype)
     apply_quant(m, "voxtral", "int4")
@@ -104,14 +114,11 @@ def test_an_int4_prefill_exports_through_the_op_and_leaves_the_model_as_it_was(m
     emb = torch.randn(1, 6, m.config.text.dim, device=DEV).to(dtype)
     pos = torch.arange(6, device=DEV)
     seq = torch.export.Dim("seq", min=1, max=32)
-    ep = KI.export_dequantizing(prefill, (emb, pos), ({1: seq}, {0: seq}))
-    layers = [x for x in m.modules() if isinstance(x, QuantLinear)]
-    assert all(x.dequantizer is None for x in layers)
-    assert sum(n.target is op.default for n in ep.graph.nodes) == len(layers) - cuda
+    ep = KI.export_dequantizing(prefill, (emb, pos), ({1: seq}, {0: seq}), fused=fused)
     m.reset_caches()
     want = prefill(emb, pos)
     m.reset_caches()
-    assert torch.equal(ep.module()(emb, pos), want)
+    return ep, [x for x in m.modules() if isinstance(x, QuantLinear)], ep.module()(emb, pos), want
 
 
 COMPILE = r"""
@@ -256,24 +263,11 @@ def test_an_int4_prefill_exports_through_the_matmul_op(monkeypatch):
     the eager model's to float32 accumulation order (bf16 rounding on a GPU); the hooks unset again."""
     cuda = DEV == "cuda"
     traceable_on_the_cpu(monkeypatch)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    m = Voxtral(preset("tiny")).init_weights(seed=5).to(DEV, dtype)
-    apply_quant(m, "voxtral", "int4")
-    m.setup_caches(32)
-    prefill = m.prefiller(KP.KERNELS) if cuda else m.prefiller()
-    emb = torch.randn(1, 6, m.config.text.dim, device=DEV).to(dtype)
-    pos = torch.arange(6, device=DEV)
-    seq = torch.export.Dim("seq", min=1, max=32)
-    ep = KI.export_dequantizing(prefill, (emb, pos), ({1: seq}, {0: seq}), fused=True)
-    layers = [x for x in m.modules() if isinstance(x, QuantLinear)]
+    ep, layers, got, want = export_tiny_int4_prefill(fused=True)
     assert all(x.matmul is None and x.dequantizer is None for x in layers)
     targets = [n.target for n in ep.graph.nodes]
     assert targets.count(torch.ops.voxtral.int4_linear.default) == len(layers) - cuda
     assert torch.ops.voxtral.int4_dequantize.default not in targets
-    m.reset_caches()
-    want = prefill(emb, pos)
-    m.reset_caches()
-    got = ep.module()(emb, pos)
     assert (got - want).abs().max() <= (2e-2 if cuda else 1e-4) * want.abs().max()
 
 

@@ -50,6 +50,17 @@ def _codes(q_ptr, n8, kt, KT: tl.constexpr, J: tl.constexpr, WEIGHT_ORDER: tl.co
 
 
 @triton.jit
+def _scales(sz_ptr, kt, cols, rows, N, G: tl.constexpr, BK: tl.constexpr):
+    """Scale and zero, float32, for the weight's rows [R] at the K block kt's columns `cols` [BK] (in the block):
+    [R, 1] where the block lies in one group (one load per row), else [R, BK]."""
+    if G >= BK:
+        sz = sz_ptr + ((kt * BK // G) * N + rows[:, None]) * 2
+    else:
+        sz = sz_ptr + (((kt * BK + cols[None, :]) // G) * N + rows[:, None]) * 2
+    return tl.load(sz).to(tl.float32), tl.load(sz + 1).to(tl.float32)
+
+
+@triton.jit
 def _word_order_columns(J: tl.constexpr):
     """The K block's column at each position of `_codes(..., WEIGHT_ORDER=False)`: (c)(j)(tile half lo)."""
     i = tl.arange(0, 32 * J)
@@ -76,12 +87,7 @@ def _dequant_kernel(
         n8 = b * R8 + i + tl.arange(0, 1)
         code = _codes(q_ptr, n8, kt, K // (32 * J), J, True)  # [8, 32 J]
         rows = (b * R8 + i) * 8 + tl.arange(0, 8).to(tl.int64)
-        if G >= 32 * J:  # one group per row in this tile: its scale and zero broadcast
-            sz = sz_ptr + ((kt * (32 * J) // G) * N + rows) * 2
-            scale, zero = tl.load(sz)[:, None].to(tl.float32), tl.load(sz + 1)[:, None].to(tl.float32)
-        else:
-            sz = sz_ptr + ((cols[None, :] // G) * N + rows[:, None]) * 2
-            scale, zero = tl.load(sz).to(tl.float32), tl.load(sz + 1).to(tl.float32)
+        scale, zero = _scales(sz_ptr, kt, tl.arange(0, 32 * J), rows, N, G, 32 * J)
         w = (code.to(tl.float32) - 8.0) * scale + zero
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty))
 
@@ -151,11 +157,7 @@ def _linear_kernel(
     for kt in range(K // BK):
         x = tl.load(x_rows + kt * BK + cols[None, :])
         code = _codes(q_ptr, n8, kt, K // BK, J, WEIGHT_ORDER)
-        if G >= BK:  # the block lies in one group: a scale and a zero per feature
-            sz = sz_ptr + ((kt * BK // G) * N + feats[:, None]) * 2
-        else:
-            sz = sz_ptr + (((kt * BK + cols[None, :]) // G) * N + feats[:, None]) * 2
-        scale, zero = tl.load(sz).to(tl.float32), tl.load(sz + 1).to(tl.float32)
+        scale, zero = _scales(sz_ptr, kt, cols, feats, N, G, BK)
         # q - 8 without an int -> float conversion (a quarter-rate instruction): 2^23 + q is q's bits under 2^23's
         q8 = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
         w = (q8 * scale + zero).to(x_ptr.dtype.element_ty)  # dequantize's values, rounded to x's dtype

@@ -305,6 +305,15 @@ def main() -> None:
     ap.add_argument("--int4-tiles", action="store_true", help="prefill: int4_linear at each of INT4_TILES too")
     args = ap.parse_args()
     parts = args.parts.split(",")
+    unknown = sorted(set(parts) - {"check", "gemv", "prefill", "step", "agree"})
+    if unknown:  # before the model is built: minutes on a GPU
+        ap.error(f"--parts: unknown {unknown}")
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: comma-separated integers, got {args.rows!r}")
+    if min(rows) < 1:
+        ap.error(f"--rows: at least 1 row each, got {args.rows!r}")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     t0 = time.time()
     m, q = build(1024)
@@ -317,13 +326,11 @@ def main() -> None:
                 if part in ("check", "gemv"):
                     {"check": part_check, "gemv": part_gemv}[part](cases(m, q), results)
                 elif part == "prefill":
-                    part_prefill(cases(m, q), results, [int(r) for r in args.rows.split(",")], args.int4_tiles)
+                    part_prefill(cases(m, q), results, rows, args.int4_tiles)
                 elif part == "step":
                     part_step(m, q, results, args.fill, pdl)
                 elif part == "agree":
                     part_agree(m, q, results, 385, 128, pdl)
-                else:
-                    ap.error(f"unknown part {part}")
             print(f"[{part}: {time.time() - t0:.0f} s]", flush=True)
     finally:
         if args.out:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -86,6 +87,33 @@ def check_destination(dest: Path, *, merge: bool) -> None:
         f"{dest}: exists and is not a bundle of ours (it holds {shown}); refusing to replace it "
         "(choose another directory, or --force to add the bundle's files beside the others, which are kept)"
     )
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def check_free_space(stage: Path, dest: Path, need: int, what: str) -> None:
+    """Refuse, before the work, a disk that cannot hold `what`: one that fills up midway fails late, and an export
+    would see a compile fail with a C++ error, which a method with a fallback quietly takes (a slower bundle)."""
+    free = free_bytes(stage)
+    if free < need:
+        raise PublishError(
+            f"{dest.parent}: {free / 1e9:.1f} GB free on its disk, and {what} needs about {need / 1e9:.1f} GB; "
+            f"free some space or choose another destination than {dest}"
+        )
+
+
+def disk_full(e: BaseException | None) -> bool:
+    """Whether `e`, or what caused it, is the disk filling up: a compiler's "No space left on device" reaches us
+    as the text of inductor's CppCompileError, Python's as an OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def make_stage(dest: Path) -> Path:

@@ -29,7 +29,7 @@ import requests
 from runner.app.github import DEFAULT_API_URL, GitHub, RetryPolicy, check_token, quiet_urllib3, redact
 from runner.bundle import MANIFEST_NAME, MAX_MANIFEST_BYTES, bundle_digest, read_manifest, verify_bundle
 from runner.errors import BundleError, FetchError
-from runner.publish import PROVENANCE_NAME, PublishError, absolute_destination, make_stage, publish
+from runner.publish import PROVENANCE_NAME, PublishError, absolute_destination, check_free_space, make_stage, publish
 
 MAX_RUNS_SCANNED = 30  # --latest looks at this many successful runs, newest first, before giving up
 MAX_ARCHIVE_BYTES = 64 << 30  # the bf16 3B bundle is ~10 GB; anything far past that is not ours
@@ -364,6 +364,11 @@ def fetch_artifact(
     except OSError as e:
         raise FetchError(f"{dest}: cannot create a directory beside it ({e.strerror or e})") from None
     try:
+        if isinstance(size, int):  # the zip and, until it is removed, the files extracted from it
+            try:
+                check_free_space(work, dest, 2 * size, f"artifact {name} (its zip, then the files in it)")
+            except PublishError as e:
+                raise FetchError(str(e)) from None
         archive = work / "artifact.zip"
         digest = download_zip(gh, repo, artifact, archive, progress=progress, max_bytes=max_bytes)
         check_digest(artifact, digest)

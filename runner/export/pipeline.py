@@ -37,7 +37,15 @@ from runner.export.methods import MethodPlan, dtype_name
 from runner.export.quant import PATTERNS as QUANT_PATTERNS
 from runner.export.self_check import check_bundle
 from runner.families.voxtral_realtime import NAME as REALTIME
-from runner.publish import absolute_destination, check_destination, make_stage, publish
+from runner.publish import (
+    absolute_destination,
+    check_destination,
+    check_free_space,
+    disk_full,
+    free_bytes,
+    make_stage,
+    publish,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,11 +229,32 @@ def free_storage(t: object) -> None:
         t.untyped_storage().resize_(0)
 
 
-def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of the method module except the state the runtime allocates."""
+def _method_tensors(plan: MethodPlan) -> dict[str, torch.Tensor]:
     sd = dict(plan.module.named_parameters())
     sd.update((k, b) for k, b in plan.module.named_buffers() if k not in plan.spec.state)
-    return {k: v.detach().contiguous() for k, v in sd.items()}
+    return sd
+
+
+def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the method module except the state the runtime allocates."""
+    return {k: v.detach().contiguous() for k, v in _method_tensors(plan).items()}
+
+
+# room for the methods' `.so` files (the weights are not in them) and their compiles' scratch, all in the stage
+COMPILE_ALLOWANCE = 256 << 20
+
+
+def bytes_needed(plans: list[MethodPlan], weights_filter) -> int:
+    """What the bundle will take on disk: each weights file once (methods may share one), and the compiled code."""
+    files: dict[str, int] = {}
+    for plan in plans:
+        if plan.spec.weights not in files:
+            files[plan.spec.weights] = sum(
+                v.nbytes
+                for k, v in _method_tensors(plan).items()
+                if weights_filter is None or weights_filter(plan.name, k)
+            )
+    return sum(files.values()) + COMPILE_ALLOWANCE
 
 
 def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], weights_filter) -> None:
@@ -309,6 +338,9 @@ def build_bundle(
     check_destination(out, merge=opts.force)  # before minutes of compiling: nothing of the user's is replaced
     stage = make_stage(out)
     try:
+        check_free_space(
+            stage, out, bytes_needed(plans, weights_filter), "the bundle (its weights and compiled methods)"
+        )
         debug_dir = stage / "debug" if opts.debug else None
         written: dict[str, set[str]] = {}  # weights file -> its FQNs
 
@@ -334,6 +366,11 @@ def build_bundle(
             try:
                 report.cached[plan.name] = fetch_or_compile(plan)
             except Exception as e:
+                if disk_full(e):
+                    raise ExportError(
+                        f"{plan.name}: the disk filled up while it compiled ({free_bytes(stage) / 1e9:.1f} GB free "
+                        f"now beside {out}); free some space or choose another --out"
+                    ) from e
                 if plan.fallback is None or TERMINATING.is_set():
                     raise
                 why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from runner import publish
 from runner.app import fetch
 from runner.app.cli import add_fetch
 from runner.app.options import Environment
@@ -313,6 +314,22 @@ def test_size_cap_stops_oversized_archives(gh, tmp_path, sleeps):
     with pytest.raises(FetchError) as e:
         get(gh, tmp_path, sleeps, run_id=1, max_bytes=10_000)
     assert "cap" in one_line(e)
+
+
+def test_a_disk_without_room_for_the_artifact_is_refused_before_the_download(gh, tmp_path, sleeps, monkeypatch):
+    gh.add_run(1)
+    data = fake_bundle_zip(tmp_path)
+    gh.add_artifact(10, NAME, 1, data)
+    free = 2 * len(data) - 1  # the zip and the files extracted from it do not both fit
+    monkeypatch.setattr(publish, "free_bytes", lambda path: free)
+    with pytest.raises(FetchError) as e:
+        get(gh, tmp_path, sleeps, run_id=1)
+    assert f"needs about {2 * len(data) / 1e9:.1f} GB" in one_line(e) and "free on its disk" in str(e.value)
+    assert gh.seen("blob") == [] and not any(r.path.endswith("/zip") for r in gh.requests)  # nothing downloaded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle-src-0"]  # the stage is gone
+
+    free = 2 * len(data)
+    verify_bundle(get(gh, tmp_path, sleeps, run_id=1))
 
 
 def test_zip_bomb_is_stopped_by_declared_size(tmp_path):

@@ -171,6 +171,21 @@ def test_table_and_job_summary_from_a_recorded_run(bench_run, tmp_path, monkeypa
     assert _records(tmp_path / "again.json") == _records(bench_run[1] / "out.json")  # a lossless round trip
 
 
+def test_a_bundle_with_a_fallback_says_so_above_its_table(bench_run, tmp_path, capsys):
+    records = _records(bench_run[1] / "out.json")
+    assert {r["benchmark"]["extra_info"]["fallbacks"] for r in records} == {""}  # the tiny bundle has none
+    main(["bench", "--from-json", str(bench_run[1] / "out.json")])
+    assert "fallback" not in capsys.readouterr().out
+    for r in records:
+        r["benchmark"]["extra_info"]["fallbacks"] = (
+            "text_decoder_step (InductorError: CppCompileError: C++ compile error)"
+        )
+    (tmp_path / "fb.json").write_text(json.dumps(records))
+    assert main(["bench", "--from-json", str(tmp_path / "fb.json")]) == 0
+    head = capsys.readouterr().out.split("| figure |")[0]
+    assert "The bundle holds fallbacks, slower than the methods they replace:** text_decoder_step (Inductor" in head
+
+
 def test_the_summary_is_the_headline_table_and_the_json_keeps_every_figure(bench_run, tmp_path, monkeypatch):
     summary = tmp_path / "summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))

@@ -417,6 +417,8 @@ def markdown(run: BenchRun, title: str | None = None) -> str:
         f"per method: {ctx['chunks']} chunk(s), prefill {ctx['prefill_tokens']} tokens",
         "",
     ]
+    if ctx.get("fallbacks"):
+        lines += [f"**The bundle holds fallbacks, slower than the methods they replace:** {ctx['fallbacks']}", ""]
     head = [
         "figure",
         _label(OURS),

@@ -88,6 +88,8 @@ def context(bundle: Path, manifest: Manifest, plan: Plan, audio: Path, env: Envi
         "git_sha": _git_sha(env),
         "bundle": str(bundle),
         "bundle_digest": bundle_digest(bundle / MANIFEST_NAME),
+        # a method compiled as its fallback (export's last resort) is slower: its figures must say so
+        "fallbacks": "; ".join(f"{m} ({why})" for m, why in manifest.model.get("fallbacks", {}).items()),
         "runs": str(plan.runs),
         "warmup": str(plan.warmup),
         "load_runs": str(plan.load_runs),

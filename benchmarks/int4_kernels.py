@@ -9,16 +9,14 @@ calls on the bundle's buffers) against the bf16 kernels.
    step's logits against its written-out decoder at S = 1.
 4. prefill: each kind at a prompt's M rows (385: 30 s; 7510: 10 minutes) over the 30 layers: tinygemm, the
    weight dequantised by Inductor's kernel (the int4 prefill until session 25) or by our Triton op (kernels_int4.py,
-   the prefill since) then a bf16 matmul, our Triton matmul that dequantises in its K loop (`int4_linear`), the
-   bf16 matmul alone (the floor), and each dequantisation alone. With --int4-tiles, int4_linear at each of
-   INT4_TILES too (kernels_int4.linear_config's tuple: BLOCK_M, BLOCK_N, warps, stages, weight order).
+   the prefill since) then a bf16 matmul, the bf16 matmul alone (the floor), and each dequantisation alone.
 5. agree: teacher-forced top-1 agreement of int4 with bf16: a 385-token prompt (random ids), then 128 tokens the
    bf16 step decodes greedily; int4 prefills the same prompt (torch dequant) and steps through the same tokens
    with tinygemm. Also the prompt's positions (all logits, both models in torch), and bf16's own step against
    its written-out decoder (the kernels' rounding alone).
 
     python benchmarks/int4_kernels.py --parts check,gemv,step,agree --out int4.json      (GPU; about 3 minutes)
-    python benchmarks/int4_kernels.py --parts prefill --rows 385,7510 [--int4-tiles]
+    python benchmarks/int4_kernels.py --parts prefill --rows 385,7510
 """
 
 from __future__ import annotations
@@ -41,11 +39,6 @@ from runner.models.voxtral_config import preset
 from runner.runtime.graphs import capture_graph
 
 DEV, BF16 = "cuda", torch.bfloat16
-# int4_linear's tiles for --int4-tiles: linear_config's (the first), a narrower N tile (twice the programs: the 3B's
-# 3072-wide layers fill 96 of 132 SMs at 385 rows), 64-row tiles, x gathered in the words' order instead of the
-# codes reordered, and 256-row tiles (the weight dequantised half as often; 2 stages: 3 exceed shared memory)
-INT4_TILES = [(128, 128, 8, 3, True), (128, 64, 8, 3, True), (64, 128, 8, 3, True), (128, 128, 8, 3, False),
-              (256, 128, 8, 2, True)]  # fmt: skip
 
 
 def graph_ms(fn, replays: int = 30, overlap: bool = False) -> float:
@@ -148,25 +141,8 @@ def part_gemv(cs, results) -> None:
               f"{o['bf16_us_per_call']:.1f} us {o['bf16_tb_s']:.2f} TB/s", flush=True)  # fmt: skip
 
 
-def tiles_ms(lins, xm) -> dict:
-    """int4_linear over the 30 layers at each of INT4_TILES (ms), or why a tile did not run."""
-    out = {}
-    for cfg in INT4_TILES:
-
-        def fn(c=cfg):
-            return [KI._launch_linear(xm, q.qweight, q.scales_and_zeros, q.group_size, c) for q in lins]
-
-        try:
-            fn()  # compiles: a tile that does not fit fails here, not inside a capture
-            out["x".join(map(str, cfg))] = round(graph_ms(fn, 5), 4)
-        except Exception as e:  # recorded: the sweep goes on
-            out["x".join(map(str, cfg))] = f"{type(e).__name__}: {str(e)[:160]}"
-    return out
-
-
-def part_prefill(cs, results, rows: list[int], tiles: bool = False) -> None:
-    """A prompt's rows through each kind's 30 layers (ms for all 30): tinygemm, dequantise + bf16 matmul, the
-    matmul that dequantises as it loads (int4_linear), bf16."""
+def part_prefill(cs, results, rows: list[int]) -> None:
+    """A prompt's rows through each kind's 30 layers (ms for all 30): tinygemm, dequantise + bf16 matmul, bf16."""
     out = results["prefill"] = {}
     # Inductor's kernel for the dequantisation, as the bundle's prefill compiles it (eager would unpack in steps)
     deq = torch.compile(dequantize, dynamic=False)
@@ -183,8 +159,6 @@ def part_prefill(cs, results, rows: list[int], tiles: bool = False) -> None:
                 "triton_dequant_mm": graph_ms(
                     lambda lins=lins, xm=xm: [F.linear(xm, KI.dequantize(q)) for q in lins], 5
                 ),
-                # the op as the fused export calls it (QuantLinear.matmul), at linear_config's tiles
-                "int4_linear": graph_ms(lambda lins=lins, xm=xm: [KI.linear(q, xm) for q in lins], 5),
                 "bf16_mm": graph_ms(lambda ws=ws, xm=xm: [F.linear(xm, w) for w in ws], 5),
                 # the dequantisations alone (0.5 + 2 bytes per weight moved)
                 "dequant_only": graph_ms(lambda lins=lins: [deq(q.qweight, q.scales_and_zeros, BF16) for q in lins], 5),
@@ -192,19 +166,14 @@ def part_prefill(cs, results, rows: list[int], tiles: bool = False) -> None:
             }
             w0 = lins[0].dequantize(BF16)
             want = F.linear(xm, w0)
-            err, lin_err = rel(lins[0].tinygemm(xm), want), rel(KI.linear(lins[0], xm), want)
+            err = rel(lins[0].tinygemm(xm), want)
             same = torch.equal(KI.dequantize(lins[0]), w0)
             out[f"{kind} M={m_rows}"] = {**{k: round(v, 4) for k, v in ms.items()}, "tinygemm_vs_dequant": err,
-                                         "triton_dequant_equal": same, "int4_linear_vs_dequant": lin_err}  # fmt: skip
-            if tiles:
-                out[f"{kind} M={m_rows}"]["int4_linear_tiles"] = tiles_ms(lins, xm)
+                                         "triton_dequant_equal": same}  # fmt: skip
             print(f"prefill {kind:16s} M={m_rows:<5d} 30 layers: tinygemm {ms['tinygemm']:.3f} ms, dequant + mm "
-                  f"{ms['dequant_mm']:.3f} (Triton's {ms['triton_dequant_mm']:.3f}, equal: {same}), int4_linear "
-                  f"{ms['int4_linear']:.3f} (vs dequant + mm {lin_err:.1e}), bf16 mm {ms['bf16_mm']:.3f}; the "
-                  f"dequantisation alone {ms['dequant_only']:.3f} (Triton's {ms['triton_dequant_only']:.3f}); "
-                  f"tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
-            if tiles:
-                print(f"  int4_linear tiles: {out[f'{kind} M={m_rows}']['int4_linear_tiles']}", flush=True)
+                  f"{ms['dequant_mm']:.3f} (Triton's {ms['triton_dequant_mm']:.3f}, equal: {same}), bf16 mm "
+                  f"{ms['bf16_mm']:.3f}; the dequantisation alone {ms['dequant_only']:.3f} (Triton's "
+                  f"{ms['triton_dequant_only']:.3f}); tinygemm vs dequant {err:.1e}", flush=True)  # fmt: skip
 
 
 def step_inputs(m: Voxtral, pos: int):
@@ -302,7 +271,6 @@ def main() -> None:
     ap.add_argument("--parts", default="check,gemv,step,agree")
     ap.add_argument("--fill", type=int, default=450, help="cache positions already written (step)")
     ap.add_argument("--rows", default="385,7510", help="prompt rows for the prefill part")
-    ap.add_argument("--int4-tiles", action="store_true", help="prefill: int4_linear at each of INT4_TILES too")
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = sorted(set(parts) - {"check", "gemv", "prefill", "step", "agree"})
@@ -326,7 +294,7 @@ def main() -> None:
                 if part in ("check", "gemv"):
                     {"check": part_check, "gemv": part_gemv}[part](cases(m, q), results)
                 elif part == "prefill":
-                    part_prefill(cases(m, q), results, rows, args.int4_tiles)
+                    part_prefill(cases(m, q), results, rows)
                 elif part == "step":
                     part_step(m, q, results, args.fill, pdl)
                 elif part == "agree":

@@ -14,8 +14,7 @@ The layout (`pack` / `unpack`, pure torch, any device): word [n8, kt, lane, j] h
 
 Every prefill (tinygemm is for small M) and the CPU methods dequantise the weight and multiply: in plain torch,
 or through `dequantizer` where the export sets one (the CUDA prefill's Triton op, export/kernels_int4.py: Inductor's
-kernel for the unpacking gathers each weight's word on its own), or the export's `matmul` hook replaces both (a
-Triton matmul that dequantises as it loads); the CUDA decode step calls tinygemm.
+kernel for the unpacking gathers each weight's word on its own); the CUDA decode step calls tinygemm.
 """
 
 from __future__ import annotations
@@ -113,8 +112,6 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         # QuantLinear -> W in the scales' dtype, the same values as `dequantize`; None: plain torch
         self.dequantizer = None
-        # (QuantLinear, x) -> forward's value, e.g. a matmul that dequantises in its loads; None: dequantize + F.linear
-        self.matmul = None
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.scales_and_zeros.dtype
@@ -123,8 +120,6 @@ class QuantLinear(nn.Module):
         return dequantize(self.qweight, self.scales_and_zeros, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.matmul is not None:
-            return self.matmul(self, x)
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def tinygemm(self, x: torch.Tensor) -> torch.Tensor:

@@ -99,9 +99,16 @@ def check_free_space(stage: Path, dest: Path, need: int, what: str) -> None:
     free = free_bytes(stage)
     if free < need:
         raise PublishError(
-            f"{dest.parent}: {free / 1e9:.1f} GB free on its disk, and {what} needs about {need / 1e9:.1f} GB; "
+            f"{dest.parent}: {size_text(free)} free on its disk, and {what} needs about {size_text(need)}; "
             f"free some space or choose another destination than {dest}"
         )
+
+
+def size_text(n: int) -> str:
+    """Bytes as a reader takes them in: 48.5 GB, 312.0 MB, 524 kB."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def disk_full(e: BaseException | None) -> bool:

@@ -182,6 +182,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             report = export(model, source, tekken, out, opts, progress=progress)
         except OSError as e:  # disk full, unwritable --out: the half-built stage is already removed
             raise RunnerError(f"{out}: cannot write the bundle ({_os_reason(e)})") from None
+        except RunnerError as e:  # a compile the full disk failed is its cause: a writer may be in its frames
+            if e.__cause__ is not None:
+                _finalize_torch_writers(e.__cause__.__traceback__)
+            raise
         except RuntimeError as e:  # torch's archive writer reports a full disk so ("unexpected pos")
             if args.debug:
                 raise

@@ -45,6 +45,7 @@ from runner.publish import (
     free_bytes,
     make_stage,
     publish,
+    size_text,
 )
 
 log = logging.getLogger(__name__)
@@ -366,10 +367,12 @@ def build_bundle(
             try:
                 report.cached[plan.name] = fetch_or_compile(plan)
             except Exception as e:
-                if disk_full(e):
+                # torch's archive writer reports a full disk as a bad position, hence the free space too
+                free = free_bytes(stage)
+                if disk_full(e) or free < COMPILE_ALLOWANCE:
                     raise ExportError(
-                        f"{plan.name}: the disk filled up while it compiled ({free_bytes(stage) / 1e9:.1f} GB free "
-                        f"now beside {out}); free some space or choose another --out"
+                        f"{plan.name}: No space left on device while it was compiled or copied into the bundle "
+                        f"({size_text(free)} free now beside {out}); free some space or choose another --out"
                     ) from e
                 if plan.fallback is None or TERMINATING.is_set():
                     raise

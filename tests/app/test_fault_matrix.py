@@ -29,6 +29,7 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
+from runner import publish
 from runner.app import fetch
 from runner.app.cli import main
 from runner.app.options import Environment
@@ -73,9 +74,13 @@ def cli(capsys, *argv) -> Outcome:
     return Outcome(code, out, err)
 
 
-def python_m_runner(*argv, env: dict | None = None, preexec: Callable | None = None, cwd: Path = ROOT) -> Outcome:
+def python_m_runner(
+    *argv, env: dict | None = None, preexec: Callable | None = None, cwd: Path = ROOT, prelude: str = ""
+) -> Outcome:
+    """`python -m runner ARGV` as a process; `prelude`, Python run in it first."""
+    main = f"{prelude}; import runpy; runpy.run_module('runner', run_name='__main__', alter_sys=True)"
     r = subprocess.run(
-        [sys.executable, "-m", "runner", *map(str, argv)],
+        [sys.executable, "-c", main, *map(str, argv)] if prelude else [sys.executable, "-m", "runner", *map(str, argv)],
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         capture_output=True,
@@ -870,9 +875,20 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def test_fetch_onto_a_disk_without_room_is_refused_before_the_download(gh, small_fs, work, capsys):
+    gh.add_run(1)
+    gh.add_artifact(10, NAME, 1, _big_zip(300_000))
+    dest = small_fs / "bundle"
+    o = cli(capsys, "fetch", "--repo", REPO, "--run-id", 1, "--name", NAME, "--dest", dest, "--no-progress")
+    one_error(o, "fetch", "no room for the zip and its files (512 kB tmpfs)", "free on its disk", "needs about")
+    assert gh.seen("blob") == [] and list(small_fs.iterdir()) == []
+
+
 @pytest.mark.parametrize("size", [700_000, 300_000], ids=["download", "extraction"])
-def test_fetch_onto_a_full_disk(size, gh, small_fs, work, capsys):
-    """The zip does not fit (download) or fits but its extracted copy does not (extraction)."""
+def test_fetch_onto_a_disk_that_fills_up(size, gh, small_fs, work, monkeypatch, capsys):
+    """The disk said it had room (another writer took it meanwhile): the zip does not fit (download) or fits but
+    its extracted copy does not (extraction)."""
+    monkeypatch.setattr(publish, "free_bytes", lambda path: 1 << 40)
     gh.add_run(1)
     gh.add_artifact(10, NAME, 1, _big_zip(size))
     dest = small_fs / "bundle"
@@ -969,8 +985,18 @@ def test_export_that_fails_half_way_leaves_nothing(tiny_checkpoint, work, monkey
     assert len(calls) == 3 and tree(work) == before
 
 
-def test_export_onto_a_full_disk(tiny_checkpoint, small_fs, work, capsys):
-    """Compiled methods come from the cache: copying them onto the full disk fails (OSError)."""
+def test_export_onto_a_disk_without_room_is_refused_before_any_work(tiny_checkpoint, small_fs, work, capsys):
+    out = small_fs / "bundle"
+    o = cli(capsys, "export", "--checkpoint", tiny_checkpoint, "--no-check", "--out", out, "--cache-dir", COMPILE_CACHE,
+            "--max-audio-chunks", "2", "--max-seq-len", "1024")  # fmt: skip
+    one_error(o, "export", "no room for the bundle (512 kB tmpfs)", str(out.parent), "free on its disk", "needs about")
+    assert list(small_fs.iterdir()) == []
+
+
+def test_export_onto_a_full_disk(tiny_checkpoint, small_fs, work, monkeypatch, capsys):
+    """Compiled methods come from the cache: copying them onto the full disk fails (OSError). The disk said it
+    had room (another writer took it meanwhile)."""
+    monkeypatch.setattr(publish, "free_bytes", lambda path: 1 << 40)
     out = small_fs / "bundle"
     o = cli(capsys, "export", "--checkpoint", tiny_checkpoint, "--no-check", "--out", out, "--cache-dir", COMPILE_CACHE,
             "--max-audio-chunks", "2", "--max-seq-len", "1024")  # fmt: skip  # tiny_bundle's sizes: cached
@@ -984,7 +1010,10 @@ def test_export_compiling_onto_a_full_disk_does_not_abort(tiny_checkpoint, small
     again from its C++ destructor: `terminate called`, exit 134. Now one error line and exit 1."""
     out = small_fs / "bundle"
     cache = tmp_path / "empty-cache"
-    o = python_m_runner("export", "--checkpoint", tiny_checkpoint, "--no-check", "--out", out, "--cache-dir", cache)
+    o = python_m_runner(
+        "export", "--checkpoint", tiny_checkpoint, "--no-check", "--out", out, "--cache-dir", cache,
+        prelude="import runner.publish; runner.publish.free_bytes = lambda path: 1 << 40",  # past the room check
+    )  # fmt: skip
     one_error(o, "export", "disk full while compiling (process)", str(out), "export failed")
     assert o.code == 1 and "terminate called" not in o.err
     assert list(small_fs.iterdir()) == []

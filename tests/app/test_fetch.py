@@ -324,7 +324,7 @@ def test_a_disk_without_room_for_the_artifact_is_refused_before_the_download(gh,
     monkeypatch.setattr(publish, "free_bytes", lambda path: free)
     with pytest.raises(FetchError) as e:
         get(gh, tmp_path, sleeps, run_id=1)
-    assert f"needs about {2 * len(data) / 1e9:.1f} GB" in one_line(e) and "free on its disk" in str(e.value)
+    assert f"needs about {publish.size_text(2 * len(data))}" in one_line(e) and "free on its disk" in str(e.value)
     assert gh.seen("blob") == [] and not any(r.path.endswith("/zip") for r in gh.requests)  # nothing downloaded
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle-src-0"]  # the stage is gone
 

@@ -47,6 +47,9 @@
 #   realtime the 4B Voxtral Realtime random-init bf16 bundle ($RT_STREAMS stream slots) -> $RT_BUNDLE, then
 #            `stream --bench` on it ($RT_BENCH_ARGS) -> realtime.{md,json,log}; its summary row holds the headline
 #
+# GPU_SAMPLES_MS=50 samples the SM clock, power and temperature (nvidia-smi -lms) through the call and adds a table
+# of them per mode to the summary (a compute-bound op after minutes of GEMMs may run at a throttled clock: NOTES 64).
+#
 # Modes run in the order given, each under its own time limit: T_<MODE> seconds (defaults below), cut to what is
 # left of BUDGET (default 565 s, under the device's 600 s). Results go to $OUT (the device machine gives an empty
 # one and returns at most 8 files: past that the rest are packed into all.tar.gz); a summary table comes last.
@@ -630,8 +633,14 @@ for m in "$@"; do
   esac
 done
 
-names=() rcs=() secs=() limits=() notes=()
+names=() rcs=() secs=() limits=() notes=() spans=()
 stop=""
+sampler=""
+if [ -n "${GPU_SAMPLES_MS:-}" ]; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+    -lms "$GPU_SAMPLES_MS" > "$OUT/gpu_samples.csv" 2> /dev/null &
+  sampler=$!
+fi
 for m in "${todo[@]}"; do
   var=T_${m^^}
   limit=${!var}
@@ -646,8 +655,10 @@ for m in "${todo[@]}"; do
     echo "=== $m (limit ${limit}s, t=${SECONDS}s)"
     start=$SECONDS
     MODE_END=$((SECONDS + limit))
+    t0=$(date +%s.%N)
     "mode_$m"
     rc=$?
+    spans+=("$m $t0 $(date +%s.%N)")
     took=$((SECONDS - start))
     ((rc == 124 || rc == 137)) && NOTE="timed out after ${limit}s; $NOTE"
     [ "$m" = setup ] && ((rc != 0)) && stop="setup failed"
@@ -668,6 +679,30 @@ keep=(summary.md weights.md bench_tp.md bench_tp.json bench_24b.md bench_24b.jso
   done
   echo
   echo "total ${SECONDS}s of ${BUDGET}s; bench flags: ${BENCH_ARGS[*]}"
+  if [ -n "$sampler" ]; then
+    kill "$sampler" 2> /dev/null
+    wait "$sampler" 2> /dev/null
+    echo
+    printf '%s\n' "${spans[@]}" | python3 -c '
+import datetime, statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        t, sm, w, temp = (x.strip() for x in line.split(","))
+        rows.append((datetime.datetime.strptime(t, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(sm), float(w), float(temp)))
+    except ValueError:
+        continue
+print("| mode | samples | SM clock MHz, median (min) | power W, median (max) | temperature C, max |")
+print("|---|---:|---:|---:|---:|")
+for span in sys.stdin:
+    m, a, b = span.split()
+    got = [r for r in rows if float(a) <= r[0] <= float(b)]
+    if got:
+        sm, w, temp = zip(*(r[1:] for r in got))
+        print(f"| {m} | {len(got)} | {statistics.median(sm):.0f} ({min(sm):.0f}) | {statistics.median(w):.0f} "
+              f"({max(w):.0f}) | {max(temp):.0f} |")
+' "$OUT/gpu_samples.csv" || echo "(the GPU samples could not be read)"
+  fi
 } > "$OUT/summary.md"
 mapfile -t outs < <(cd "$OUT" && find . -maxdepth 1 -type f ! -name all.tar.gz -printf '%f\n' | sort)
 if ((${#outs[@]} > 8)) && tar -czf "$OUT/all.tar.gz" -C "$OUT" "${outs[@]}"; then

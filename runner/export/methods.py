@@ -1,5 +1,5 @@
-"""What every family's export plan is made of: a method's manifest entry, its KV-cache state, and how it is
-traced (the log-mel preprocessor with its chunk count dynamic)."""
+"""What every family's export plan is made of: a method's manifest entry, its KV-cache state, how it is traced (the
+log-mel preprocessor with its chunk count dynamic), and the weights it carries (what they take on disk)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,31 @@ def export_mel(module: LogMelSpectrogram, max_chunks: int) -> torch.export.Expor
     # (ep.range_constraints then shows chunks >= 2, but the input's own range is N_SAMPLES * [1, max].)
     with fx_config.patch(backed_size_oblivious=True):
         return torch.export.export(module, (example,), dynamic_shapes={"waveform": {0: N_SAMPLES * chunks}})
+
+
+def _method_tensors(plan: MethodPlan) -> dict[str, torch.Tensor]:
+    sd = dict(plan.module.named_parameters())
+    sd.update((k, b) for k, b in plan.module.named_buffers() if k not in plan.spec.state)
+    return sd
+
+
+def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the method module except the state the runtime allocates."""
+    return {k: v.detach().contiguous() for k, v in _method_tensors(plan).items()}
+
+
+# room for the methods' `.so` files (the weights are not in them) and their compiles' scratch, all in the stage
+COMPILE_ALLOWANCE = 256 << 20
+
+
+def bytes_needed(plans: list[MethodPlan], weights_filter) -> int:
+    """What the bundle will take on disk: each weights file once (methods may share one), and the compiled code."""
+    files: dict[str, int] = {}
+    for plan in plans:
+        if plan.spec.weights not in files:
+            files[plan.spec.weights] = sum(
+                v.nbytes
+                for k, v in _method_tensors(plan).items()
+                if weights_filter is None or weights_filter(plan.name, k)
+            )
+    return sum(files.values()) + COMPILE_ALLOWANCE

@@ -33,7 +33,7 @@ from runner.digests import DigestCache, default_cache_dir, sha256_file
 from runner.errors import TERMINATING, BundleError, ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
-from runner.export.methods import MethodPlan, dtype_name
+from runner.export.methods import COMPILE_ALLOWANCE, MethodPlan, bytes_needed, dtype_name, method_weights
 from runner.export.quant import PATTERNS as QUANT_PATTERNS
 from runner.export.self_check import check_bundle
 from runner.families.voxtral_realtime import NAME as REALTIME
@@ -228,34 +228,6 @@ def free_storage(t: object) -> None:
     """A tensor's memory released in place, whoever still refers to it (it reads as empty after)."""
     if isinstance(t, torch.Tensor):
         t.untyped_storage().resize_(0)
-
-
-def _method_tensors(plan: MethodPlan) -> dict[str, torch.Tensor]:
-    sd = dict(plan.module.named_parameters())
-    sd.update((k, b) for k, b in plan.module.named_buffers() if k not in plan.spec.state)
-    return sd
-
-
-def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of the method module except the state the runtime allocates."""
-    return {k: v.detach().contiguous() for k, v in _method_tensors(plan).items()}
-
-
-# room for the methods' `.so` files (the weights are not in them) and their compiles' scratch, all in the stage
-COMPILE_ALLOWANCE = 256 << 20
-
-
-def bytes_needed(plans: list[MethodPlan], weights_filter) -> int:
-    """What the bundle will take on disk: each weights file once (methods may share one), and the compiled code."""
-    files: dict[str, int] = {}
-    for plan in plans:
-        if plan.spec.weights not in files:
-            files[plan.spec.weights] = sum(
-                v.nbytes
-                for k, v in _method_tensors(plan).items()
-                if weights_filter is None or weights_filter(plan.name, k)
-            )
-    return sum(files.values()) + COMPILE_ALLOWANCE
 
 
 def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], weights_filter) -> None:

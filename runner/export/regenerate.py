@@ -20,7 +20,8 @@ from runner.bundle import Manifest, missing_weights, read_manifest
 from runner.digests import sha256_file
 from runner.errors import BundleError, RunnerError
 from runner.export.checkpoint import generator_id, random_model
-from runner.export.pipeline import ExportOptions, method_weights, prepare
+from runner.export.methods import method_weights
+from runner.export.pipeline import ExportOptions, prepare
 from runner.export.quant import apply_quant
 from runner.families.voxtral import NAME as VOXTRAL
 from runner.models.quant_linear import check_layout

@@ -101,15 +101,16 @@ def export_mel(module: LogMelSpectrogram, max_chunks: int) -> torch.export.Expor
         return torch.export.export(module, (example,), dynamic_shapes={"waveform": {0: N_SAMPLES * chunks}})
 
 
-def _method_tensors(plan: MethodPlan) -> dict[str, torch.Tensor]:
+def _method_tensors(plan: MethodPlan, weights_filter=None) -> dict[str, torch.Tensor]:
     sd = dict(plan.module.named_parameters())
     sd.update((k, b) for k, b in plan.module.named_buffers() if k not in plan.spec.state)
-    return sd
+    return {k: v for k, v in sd.items() if weights_filter is None or weights_filter(plan.name, k)}
 
 
-def method_weights(plan: MethodPlan) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of the method module except the state the runtime allocates."""
-    return {k: v.detach().contiguous() for k, v in _method_tensors(plan).items()}
+def method_weights(plan: MethodPlan, weights_filter=None) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the method module except the state the runtime allocates, and those
+    `weights_filter(method, fqn)` drops."""
+    return {k: v.detach().contiguous() for k, v in _method_tensors(plan, weights_filter).items()}
 
 
 # room for the methods' `.so` files (the weights are not in them) and their compiles' scratch, all in the stage
@@ -121,9 +122,5 @@ def bytes_needed(plans: list[MethodPlan], weights_filter) -> int:
     files: dict[str, int] = {}
     for plan in plans:
         if plan.spec.weights not in files:
-            files[plan.spec.weights] = sum(
-                v.nbytes
-                for k, v in _method_tensors(plan).items()
-                if weights_filter is None or weights_filter(plan.name, k)
-            )
+            files[plan.spec.weights] = sum(v.nbytes for v in _method_tensors(plan, weights_filter).values())
     return sum(files.values()) + COMPILE_ALLOWANCE

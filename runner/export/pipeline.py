@@ -234,7 +234,7 @@ def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], w
     """The method's weights into its file, or, for a second method over one module (text_decoder_step), its names
     checked against the file's. A function of its own so that nothing outlives it: the dict's tensors are views of
     the device's weights, and the self-check frees those by moving the eager model (NOTES item 51)."""
-    weights = {k: v for k, v in method_weights(plan).items() if weights_filter is None or weights_filter(plan.name, k)}
+    weights = method_weights(plan, weights_filter)
     if plan.spec.weights in written:
         if written[plan.spec.weights] != set(weights):
             raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")

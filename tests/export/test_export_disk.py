@@ -18,10 +18,16 @@ from runner.export import voxtral as vx
 from runner.publish import PublishError
 
 
-def test_the_estimate_is_the_weights_files_the_export_writes(tiny_checkpoint, tmp_path, monkeypatch):
-    needs = []
+@pytest.fixture
+def needs(monkeypatch) -> list[int]:
+    """What each export in the test estimated it needs (pipeline.bytes_needed's values), in order."""
+    got = []
     original = pipeline.bytes_needed
-    monkeypatch.setattr(pipeline, "bytes_needed", lambda *a: needs.append(original(*a)) or needs[-1])
+    monkeypatch.setattr(pipeline, "bytes_needed", lambda *a: got.append(original(*a)) or got[-1])
+    return got
+
+
+def test_the_estimate_is_the_weights_files_the_export_writes(tiny_checkpoint, tmp_path, needs):
     out = export_cached(tiny_checkpoint, tmp_path / "b", max_audio_chunks=1, max_seq_len=512)
     weights = needs[0] - pipeline.COMPILE_ALLOWANCE
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
@@ -29,11 +35,8 @@ def test_the_estimate_is_the_weights_files_the_export_writes(tiny_checkpoint, tm
     assert weights <= written < weights * 1.01 + (64 << 10)
 
 
-def test_a_disk_without_room_for_the_bundle_is_refused_before_any_work(tiny_checkpoint, tmp_path, monkeypatch):
-    need = []
-    original = pipeline.bytes_needed
-    monkeypatch.setattr(pipeline, "bytes_needed", lambda *a: need.append(original(*a)) or need[-1])
-    monkeypatch.setattr(publish, "free_bytes", lambda path: need[0] - 1)
+def test_a_disk_without_room_for_the_bundle_is_refused_before_any_work(tiny_checkpoint, tmp_path, needs, monkeypatch):
+    monkeypatch.setattr(publish, "free_bytes", lambda path: needs[0] - 1)
 
     def no_work(*a, **k):
         raise AssertionError("compiled or wrote weights on a disk without room")
@@ -43,7 +46,7 @@ def test_a_disk_without_room_for_the_bundle_is_refused_before_any_work(tiny_chec
     with pytest.raises(PublishError) as e:
         export_cached(tiny_checkpoint, tmp_path / "d" / "b", max_audio_chunks=1, max_seq_len=512)
     msg = str(e.value)
-    assert "\n" not in msg and f"needs about {publish.size_text(need[0])}" in msg and "free on its disk" in msg
+    assert "\n" not in msg and f"needs about {publish.size_text(needs[0])}" in msg and "free on its disk" in msg
     assert list((tmp_path / "d").iterdir()) == []  # the stage is gone, the destination never made
 
 

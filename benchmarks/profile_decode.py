@@ -123,11 +123,13 @@ def ttft_timeline(engine: ProgramEngine, tok: Tekken, gaps: int = 12) -> None:
     def during(t: float) -> str:
         on = [(e - s, name) for s, e, name in host if s <= t <= e]
         outer = [name for _, name in sorted(on, reverse=True) if name.startswith(("method:", "aten::", "cuda"))]
-        return " > ".join(outer[:3]) or "(no host event)"
+        if len(outer) > 3:  # the innermost says what the host is waiting in (e.g. cudaHostAlloc under a copy)
+            outer = [*outer[:2], "…", outer[-1]]
+        return " > ".join(outer) or "(no host event)"
 
     print(f"## time to first token, one generate(): TTFT {stats.ttft_ms:.2f} ms; GPU from first to last kernel")
     print(f"{span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms in {len(holes)} gaps\n")
-    print("| gap (us) | at (ms after the first kernel) | host events running (outermost first) |")
+    print("| gap (us) | at (ms after the first kernel) | host events running (outermost first, then the innermost) |")
     print("|---:|---:|---|")
     for length, at in sorted(holes, reverse=True)[:gaps]:
         print(f"| {length:.0f} | {(at - kernels[0][0]) / 1e3:.2f} | {during(at + length / 2)} |")

@@ -34,9 +34,9 @@ from runner.runtime.generate import (
     Sampler,
     answer_room,
     audio_seconds,
-    wave_on_device,
 )
 from runner.runtime.results import join_results, window_result
+from runner.runtime.staging import wave_on_device
 from runner.stats import Stats, now_ms
 
 # a job's own fault: its error record, and the other jobs go on
@@ -190,7 +190,7 @@ class _Batcher:
             try:
                 for j, seg in enumerate(window):
                     if isinstance(seg, AudioSegment) and seg.window is None:
-                        wave = wave_on_device(seg.samples, e.max_audio_chunks, e.device)
+                        wave = wave_on_device(seg.samples, e.max_audio_chunks, e.device, getattr(e, "staging", None))
                         mel = e.preprocess(wave)
                         if not bool(torch.isfinite(mel).all()):  # this file's fault, found before its prefill
                             raise AudioError(NON_FINITE_FEATURES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from runner.audio import N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK
@@ -18,6 +19,7 @@ from runner.errors import AudioError, BundleError, GenerationError
 from runner.runtime.graphs import BatchGraphs, DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Method, Program
+from runner.runtime.staging import HostStaging, wave_on_device
 
 # warm_up's prefill length: a 30 s prompt's at most (Voxtral: a chunk's audio tokens and the room its text takes)
 WARM_UP_TOKENS = TOKENS_PER_CHUNK + PROMPT_ROOM
@@ -127,6 +129,8 @@ class ProgramEngine:
         # once the first token is there (check_features): by then the copy is done, and the read costs nothing.
         self._features_ok = torch.ones((), dtype=torch.bool, device=self.device)
         self._features_host = torch.ones((), dtype=torch.bool, pin_memory=self.device == "cuda")
+        # the waveform's page-locked host buffer (stage), pinned at warm_up: not one pinned per prompt
+        self.staging = HostStaging() if self.device == "cuda" else None
 
     def capturable(self) -> ProgramEngine:
         """This engine with every method run on the caller's current stream through `...RunSingleThreaded`, the
@@ -196,7 +200,7 @@ class ProgramEngine:
         if self.device != "cuda":
             return False
         self.reset()  # with graphs: the decode step's capture
-        mel = self.preprocess(torch.zeros(N_SAMPLES, dtype=torch.float32, device=self.device))
+        mel = self.preprocess(wave_on_device(np.zeros(N_SAMPLES, np.float32), 1, self.device, self.staging))
         self.encode(to_encoder_dtype(mel, self.encoder_dtype))
         n = min(self.max_seq_len - 1, WARM_UP_TOKENS)
         embeds = self.embed(torch.zeros(1, n, dtype=torch.int64, device=self.device))

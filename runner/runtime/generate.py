@@ -25,13 +25,13 @@ from runner.audio import (
     DEFAULT_ANSWER_TOKENS,
     N_SAMPLES,
     SAMPLE_RATE,
-    checked_chunks,
 )
 from runner.errors import GenerationError
 from runner.runtime.detokenize import StreamDecoder, Tokenizer
 from runner.runtime.engine import Engine, check_features, to_encoder_dtype
 from runner.runtime.features import RecordingFeatures
 from runner.runtime.results import GenerationResult, TextJoiner, join_results, window_result
+from runner.runtime.staging import HostStaging, wave_on_device
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts
@@ -78,12 +78,14 @@ def audio_seconds(segments: list[Segment]) -> float:
     return sum(s.num_samples for s in segments if not isinstance(s, TextSegment)) / SAMPLE_RATE
 
 
-def stage(segments: list[Segment], device: str, audio_chunks: int, window_mel=None) -> list[torch.Tensor]:
+def stage(
+    segments: list[Segment], device: str, audio_chunks: int, window_mel=None, staging: HostStaging | None = None
+) -> list[torch.Tensor]:
     """Each segment's input on the device (ids [1, S] int64, or the waveform padded to whole 30 s chunks, at
-    most `audio_chunks`), all copied before any compute is queued: a copy from pageable host memory synchronises
-    the stream, so one made after the audio encoder is queued would wait for it. A recording's window (Whisper)
-    is its features [1, n_mels, 3000], from `window_mel(samples, window)` (RecordingFeatures.window) after the
-    copies; encoded audio is its embeddings, already on the device."""
+    most `audio_chunks`, through `staging`: wave_on_device), all copied before any compute is queued: a copy from
+    pageable host memory synchronises the stream, so one made after the audio encoder is queued would wait for it.
+    A recording's window (Whisper) is its features [1, n_mels, 3000], from `window_mel(samples, window)`
+    (RecordingFeatures.window) after the copies; encoded audio is its embeddings, already on the device."""
 
     def on_device(s: Segment) -> torch.Tensor | None:
         if isinstance(s, TextSegment):
@@ -92,27 +94,12 @@ def stage(segments: list[Segment], device: str, audio_chunks: int, window_mel=No
             return s.embeds  # already there
         if s.window is not None:
             return None  # its features, after the copies
-        return wave_on_device(s.samples, audio_chunks, device)
+        return wave_on_device(s.samples, audio_chunks, device, staging)
 
     staged = [on_device(s) for s in segments]
     if window_mel is None and any(x is None for x in staged):
         raise GenerationError("a recording's window needs the recording's features: stage(..., window_mel=...)")
     return [window_mel(s.samples, s.window) if x is None else x for s, x in zip(segments, staged)]
-
-
-def wave_on_device(samples: np.ndarray, audio_chunks: int, device: str | torch.device) -> torch.Tensor:
-    """The samples zero-padded to whole 30 s chunks (at most `audio_chunks`: AudioError past them) on the device.
-    The padding is made there and only the samples cross, on CUDA from pinned memory without the host waiting
-    (padding on the host wrote a copy of the whole waveform first: benchmarks/NOTES.md item 50). torch's
-    pinned-memory cache keeps the staging buffer until the copy has finished."""
-    dev = torch.device(device)
-    n = checked_chunks(len(samples), audio_chunks)
-    host = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))
-    if dev.type == "cuda":
-        host = host.pin_memory()
-    out = torch.zeros(n * N_SAMPLES, dtype=torch.float32, device=dev)
-    out[: len(samples)].copy_(host, non_blocking=dev.type == "cuda")
-    return out
 
 
 # ---------------------------------------------------------------- options and results
@@ -239,13 +226,17 @@ class MultimodalRunner:
         self._busy = _state_lock(engine)
         self._recordings = RecordingFeatures(engine)  # windows' features, for one generate_windows call
 
+    def _stage(self, segments: list[Segment]) -> list[torch.Tensor]:
+        e = self.engine  # an engine with a HostStaging (ProgramEngine on CUDA) keeps its waveform buffer pinned
+        return stage(segments, e.device, e.max_audio_chunks, self._recordings.window, getattr(e, "staging", None))
+
     def prefill(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
         """Every segment in order, as one decoder call; returns the last logits and the prompt ids (with the
         audio id at every audio position). The engine may run it all as one CUDA graph."""
         if not segments:
             raise GenerationError("empty prompt: nothing to prefill")
         e = self.engine
-        inputs = stage(segments, e.device, e.max_audio_chunks, self._recordings.window)
+        inputs = self._stage(segments)
         logits, lengths = e.run_prefill(lambda eng, *xs: prefill_compute(eng, segments, xs), inputs)
         prompt_ids: list[int] = []
         for seg, n in zip(segments, lengths):
@@ -319,9 +310,7 @@ class MultimodalRunner:
                 segments = [*segments, TextSegment(tuple(answer[:-1]))] if len(answer) > 1 else list(segments)
                 e.reset()
                 try:
-                    embeds, _ = prompt_embeds(
-                        e, segments, stage(segments, e.device, e.max_audio_chunks, self._recordings.window)
-                    )
+                    embeds, _ = prompt_embeds(e, segments, self._stage(segments))
                     logits = e.score(embeds, torch.arange(embeds.shape[1], device=e.device))
                 finally:
                     e.reset()

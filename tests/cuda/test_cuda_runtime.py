@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import AUDIO, CACHE, export_cached, runner_for
 
-from runner.audio import load_audio
+from runner.audio import N_SAMPLES, load_audio
 from runner.families.voxtral import chat_prompt
 from runner.runtime.generate import GenerationOptions
 from runner.runtime.program import Program
@@ -125,8 +125,8 @@ def test_decode_graph_overlaps_the_decode_kernels_and_keeps_the_tokens(runner):
 
 
 def test_warm_up_leaves_nothing_behind(cuda_bundle):
-    """After the warm-up at load the caches are empty, the decode step is captured, no prefill shape is counted as
-    seen, and a generate() gives what an engine without the warm-up gives."""
+    """After the warm-up at load the caches are empty, the decode step is captured, the waveform's host buffer is
+    pinned, no prefill shape is counted as seen, and a generate() gives what an engine without the warm-up gives."""
     prompt_text = "What is said?"
     with Program.load(cuda_bundle) as program:
         cold = runner_for(program)
@@ -135,6 +135,7 @@ def test_warm_up_leaves_nothing_behind(cuda_bundle):
         warm = runner_for(program)
         warm.engine.warm_up()
         assert warm.engine.graph is not None
+        assert warm.engine.staging.capacity >= N_SAMPLES  # the waveform's host buffer pinned at load
         assert not warm.engine.prefill_graphs.seen
         assert all(not t.any() for m in program.methods.values() for t in m.handle.state.values())
         got = warm.generate(_prompt(warm, prompt_text), OPTS)

@@ -201,7 +201,7 @@ def test_the_waveform_goes_up_padded_to_whole_chunks_as_the_host_padding_was():
 
     from runner.audio import N_SAMPLES, pad_to_chunks
     from runner.errors import AudioError
-    from runner.runtime.generate import wave_on_device
+    from runner.runtime.staging import wave_on_device
 
     rng = np.random.default_rng(0)
     for n in (0, 1, N_SAMPLES - 1, N_SAMPLES, N_SAMPLES + 7):

@@ -13,6 +13,7 @@ import pytest
 
 from runner import publish
 from runner.app import fetch
+from runner.app.archive import extract_zip
 from runner.app.cli import add_fetch
 from runner.app.options import Environment
 from runner.bundle import verify_bundle
@@ -341,7 +342,7 @@ def test_zip_bomb_is_stopped_by_declared_size(tmp_path):
     assert archive.stat().st_size < 10_000
     (tmp_path / "x").mkdir()
     with pytest.raises(FetchError, match="uncompressed is over"):
-        fetch.extract_zip(archive, tmp_path / "x", max_bytes=1_000_000)
+        extract_zip(archive, tmp_path / "x", max_bytes=1_000_000)
 
 
 def test_a_corrupt_bundle_inside_a_good_zip_fails_the_manifest_check(gh, tmp_path, sleeps):
@@ -470,7 +471,7 @@ def test_a_member_under_a_file_is_an_error_not_a_traceback(tmp_path):
     archive.write_bytes(zip_members({"model.pte": b"{}", "model.pte/x": b"y"}))
     (tmp_path / "x").mkdir()
     with pytest.raises(FetchError, match="model.pte/x"):
-        fetch.extract_zip(archive, tmp_path / "x")
+        extract_zip(archive, tmp_path / "x")
 
 
 def test_a_fetched_tiny_bundle_runs_the_e2e_check(gh, tmp_path, sleeps, tiny_bundle, capsys):

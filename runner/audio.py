@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 import os
 import struct
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from runner.errors import AudioError
+
+if (
+    TYPE_CHECKING
+):  # numpy is imported where samples are handled: the CLI's parser (and noxfile) import only the constants
+    import numpy as np
 
 SAMPLE_RATE = 16000  # Hz; Whisper / Voxtral front end
 N_FFT = 400  # 25 ms STFT window
@@ -39,6 +43,8 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
     Raises AudioError, one line naming the file, for anything that is not complete, finite audio.
     Silence is valid audio.
     """
+    import numpy as np
+
     # Imported here, not at the top: the constants and chunking must also work where only torch is installed
     # (the export machine imports them through runner/export/mel.py).
     import soundfile as sf
@@ -125,6 +131,8 @@ def window_bounds(wave: np.ndarray, capacity: int) -> list[tuple[int, int]]:
     fits. Otherwise each window ends at the quietest point near its limit: the 100 ms frame of least energy
     (the latest of equals) among those in the last 10 s before the limit (the last third of the capacity, if
     that is shorter), cut at the frame's middle; the next window starts there. Only those 10 s are read."""
+    import numpy as np
+
     n = len(wave)
     search = max(CUT_FRAME, min(CUT_SEARCH, capacity // 3) // CUT_FRAME * CUT_FRAME)
     bounds, start = [], 0
@@ -159,6 +167,8 @@ def checked_chunks(num_samples: int, max_chunks: int) -> int:
 
 def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
     """Zero-pad `wave` to a whole number of chunks, refusing audio longer than the bundle was exported for."""
+    import numpy as np
+
     n = checked_chunks(len(wave), max_chunks)
     out = np.zeros(n * N_SAMPLES, dtype=np.float32)
     out[: len(wave)] = wave

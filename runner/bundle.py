@@ -20,19 +20,21 @@ from runner.manifest_fields import FieldError, check_dtype, check_name, check_sh
 
 MANIFEST_NAME = "model.pte"
 FORMAT_NAME = "voxtral-aoti-bundle"
-FORMAT_VERSION = 2  # 2: per-chunk digests of large files (version 1 bundles still load)
+# 3: the manifest names its family and the methods that family requires. An older bundle is refused with one
+# line saying to export it again.
+FORMAT_VERSION = 3
 # A batched decode method's slot cache (text_decoder_batch) is named as the prefill's cache under this prefix
 # (batch.layers.0.self_attn.kv_cache.k_cache): how the runtime pairs the cache a prompt is prefilled into with the
 # slots it is copied to.
 BATCH_STATE_PREFIX = "batch."
 CHUNK_BYTES = 64 << 20  # files larger than this also get a sha256 per 64 MiB piece
-METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")  # required
+# The methods of a prompted bundle (the runtime's ProgramEngine runs them); a family lists what its bundles
+# require in the manifest's `model.required_methods`.
+METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
 # Optional: the decoder exported for one token, sharing text_decoder's weights file (and so its KV cache).
 STEP_METHOD = "text_decoder_step"
 # Optional: the decoder for B sequences at once, each in a slot of its own cache (export --max-batch N > 1).
 BATCH_METHOD = "text_decoder_batch"
-# A family whose bundle is made of other methods (the streaming steps of runner/families/voxtral_realtime).
-FAMILY_METHOD_NAMES = {"voxtral-realtime": ("preprocessor", "encoder_step", "decoder_step")}
 MAX_MANIFEST_BYTES = 16 << 20  # a 3B bundle's model.pte is ~10 kB: anything near this is not a manifest
 UNLISTED_REFUSED = (".so", ".safetensors")  # code and weights: in the bundle only if the manifest pins them
 
@@ -173,6 +175,11 @@ class Manifest:
                 f"{source}: format version {version!r} is newer than this runner reads ({FORMAT_VERSION}); "
                 "upgrade the runner"
             )
+        if version < FORMAT_VERSION:
+            raise BundleError(
+                f"{source}: format version {version!r} is older than this runner reads ({FORMAT_VERSION}); "
+                "export the bundle again"
+            )
         try:
             check_top(d)
             for rel, v in d["files"].items():
@@ -289,8 +296,7 @@ def verify_bundle(
         for rel in filter(None, (method.library, method.weights)):
             if rel not in manifest.files:
                 raise BundleError(f"{bundle_dir / MANIFEST_NAME}: method {method.name} uses {rel}, not listed in files")
-    required = FAMILY_METHOD_NAMES.get(manifest.model.get("family"), METHOD_NAMES)
-    missing = [m for m in required if m not in manifest.methods]
+    missing = [m for m in manifest.model["required_methods"] if m not in manifest.methods]
     if missing:
         raise BundleError(f"{bundle_dir / MANIFEST_NAME}: methods missing: {', '.join(missing)}")
     _check_roles(manifest, bundle_dir / MANIFEST_NAME)

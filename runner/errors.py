@@ -2,10 +2,32 @@
 
 import threading
 
-# Set by the CLI's SIGTERM handler before it raises: whatever exception then unwinds the stack (torch's own cleanup
-# may replace the one raised, e.g. "Trying to pop empty mode stack" mid-trace) is still a termination, which the
-# CLI reports as one and nothing may treat as a failure to recover from (an export's fallback compile).
-TERMINATING = threading.Event()
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, as KeyboardInterrupt is for SIGINT."""
+
+
+class Cancellation:
+    """A request to stop, made by whoever owns the process (the CLI's SIGTERM handler, a server shutting down) and
+    passed down as a value to long work, which checks it where stopping is safe: between an export's methods and
+    before it publishes. Once requested, whatever exception unwinds the stack (torch's own cleanup may replace the
+    one raised, e.g. "Trying to pop empty mode stack" mid-trace) is still a termination: nothing may treat it as a
+    failure to recover from (an export's fallback compile)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        """Raise Terminated if a stop was requested."""
+        if self._event.is_set():
+            raise Terminated()
 
 
 class RunnerError(Exception):

@@ -20,11 +20,11 @@ TENSOR_DTYPES = frozenset(
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 
-# model fields: the runtime and `inspect` read these; a bundle of any family has them, and those of the families
-# that prompt with whole 30 s chunks (the default family: voxtral) also the chunk fields
-_MODEL_REQUIRED = ("config", "max_seq_len", "tokenizer", "special_tokens")
+# model fields: the runtime and `inspect` read these; a bundle of any family has them, and a prompted one (its
+# methods include an audio encoder, which takes whole 30 s chunks) also the chunk fields
+_MODEL_REQUIRED = ("family", "required_methods", "config", "max_seq_len", "tokenizer", "special_tokens")
 _CHUNKED = ("max_audio_chunks", "tokens_per_chunk")
-FAMILY_REQUIRED = {"voxtral": _CHUNKED, "whisper": _CHUNKED}
+CHUNKED_METHOD = "audio_encoder"
 _POSITIVE = ("max_seq_len", "max_audio_chunks", "n_mels", "max_recording_chunks", "max_batch")
 _FLAGS = ("pdl", "multilingual", "prefill_pieces")
 _NAMES = ("family", "tokenizer_type")
@@ -72,7 +72,12 @@ def check_model(m: Any) -> None:
     for key in _NAMES:
         if key in m:
             need(isinstance(m[key], str), f"model.{key}", m[key], "a string")
-    for key in (*_MODEL_REQUIRED, *FAMILY_REQUIRED.get(m.get("family", "voxtral"), ())):
+    for key in _MODEL_REQUIRED:
+        _get(m, key, "model")
+    required = m["required_methods"]
+    need(isinstance(required, list) and all(isinstance(x, str) and x for x in required), "model.required_methods",
+         required, "a list of method names")  # fmt: skip
+    for key in _CHUNKED if CHUNKED_METHOD in required else ():
         _get(m, key, "model")
     for key in _POSITIVE:
         if key in m:

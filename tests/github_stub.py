@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from runner.bundle import METHOD_NAMES, Manifest, MethodSpec, file_entries, write_manifest
+from runner.bundle import FORMAT_VERSION, METHOD_NAMES, Manifest, MethodSpec, file_entries, write_manifest
 
 TOKEN = "ghs_stubtoken0123456789"
 SIGNATURE = "sv=2025&sig=SeCrEtSiGnAtUrE"
@@ -30,6 +30,8 @@ SIGNATURE = "sv=2025&sig=SeCrEtSiGnAtUrE"
 
 # The model fields every manifest has (runner/manifest_fields.py), at tiny sizes.
 FAKE_MODEL = {
+    "family": "voxtral",
+    "required_methods": list(METHOD_NAMES),
     "config": {"text": {"vocab_size": 64, "dim": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
                "audio": {"dim": 8, "n_layers": 1}},
     "max_seq_len": 64,
@@ -54,7 +56,7 @@ def write_fake_bundle(bundle_dir: Path, *, seed: int = 0) -> Manifest:
     (bundle_dir / "tekken.json").write_text(json.dumps({"seed": seed}))
     names.append("tekken.json")
     manifest = Manifest(
-        format_version=1,
+        format_version=FORMAT_VERSION,
         torch_version="2.13.0",
         device="cpu",
         gpu_arch=None,

@@ -14,7 +14,7 @@ from runner.bundle import MANIFEST_NAME, MAX_MANIFEST_BYTES, read_manifest
 from runner.errors import BundleError, FetchError
 from runner.publish import free_bytes
 
-MAX_ARCHIVE_BYTES = 64 << 30  # the bf16 3B bundle is ~10 GB; anything far past that is not ours
+MAX_ARCHIVE_BYTES = 64 << 30  # well past the largest bundle we build: anything bigger is not ours
 MAX_MEMBERS = 10_000
 CHUNK = 1 << 20
 

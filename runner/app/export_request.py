@@ -1,7 +1,7 @@
 """A repeated `export` answered before torch is imported.
 
 The pipeline knows exactly whether --out holds the bundle an export would build (`pipeline.up_to_date`), but
-only once the model is built and planned: 1.6 s of a no-op export on 2 cores, importing torch most of it. Here
+only once the model is built and planned, torch imported, which is most of a no-op export's time. Here
 the request itself is keyed (the command's options, every runner source, each installed distribution's version,
 the files the model is read from) and remembered per --out with the digest of the manifest the export left
 there. The same request over that same bundle (its manifest unchanged, every file verified) is up to date at
@@ -24,7 +24,7 @@ from runner.errors import BundleError
 from runner.fixtures import fixtures_dir
 
 REMEMBERED = "exports.json"  # in the cache dir: {resolved --out: {"request": key, "manifest": sha256}}
-NOT_OPTIONS = ("fn", "verb", "verbose", "debug", "env")  # the CLI's own plumbing, not what is built
+NOT_OPTIONS = ("fn", "verb", "verbose", "debug", "env", "cancel")  # the CLI's own plumbing, not what is built
 
 
 def request_key(args: argparse.Namespace, env_fields: dict) -> str | None:

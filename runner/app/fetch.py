@@ -16,18 +16,20 @@ import os
 import re
 import shutil
 import sys
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import requests
 
 from runner.app.archive import CHUNK, MAX_ARCHIVE_BYTES, extract_zip
-from runner.app.github import DEFAULT_API_URL, GitHub, RetryPolicy, check_token, quiet_urllib3, redact
+from runner.app.github import GitHub, GitHubAccess, RetryPolicy, quiet_urllib3, redact
 from runner.bundle import MANIFEST_NAME, bundle_digest, verify_bundle
 from runner.errors import BundleError, FetchError
 from runner.publish import PROVENANCE_NAME, PublishError, absolute_destination, check_free_space, make_stage, publish
+
+__all__ = ["ArtifactRef", "GitHubAccess", "RetryPolicy", "fetch_artifact", "main"]  # a caller's whole vocabulary
 
 MAX_RUNS_SCANNED = 30  # --latest looks at this many successful runs, newest first, before giving up
 _REPO_RE = re.compile(r"^[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+$")
@@ -196,103 +198,142 @@ def _prepare_dest(dest: Path, force: bool, when: str = "") -> None:
         )
 
 
+@dataclass(frozen=True)
+class ArtifactRef:
+    """Which artifact: its repository and name, and the run (`run_id`, or the newest successful one with `latest`,
+    on `branch` / of `workflow` if given, a fork's only with `allow_forks`)."""
+
+    repo: str
+    name: str
+    run_id: int | None = None
+    latest: bool = False
+    branch: str | None = None
+    workflow: str | None = None
+    allow_forks: bool = False
+
+    def check(self) -> None:
+        if not _REPO_RE.match(self.repo or ""):
+            raise FetchError(f"--repo {self.repo!r}: expected OWNER/NAME")
+        if (self.run_id is None) == (not self.latest):
+            raise FetchError("give exactly one of --run-id ID or --latest")
+        if self.run_id is not None and (self.branch or self.workflow):
+            raise FetchError("--branch and --workflow only apply with --latest")
+        name = self.name
+        if not name or name in (".", "..") or any(c in name for c in '"/\\:<>|*?\r\n'):
+            raise FetchError(f"--name {name!r}: not a valid artifact name")
+
+    def find(self, gh: GitHub) -> tuple[dict, dict]:
+        """(run, artifact), or a FetchError that says where it looked."""
+        if self.latest:
+            return find_latest(
+                gh, self.repo, self.name, branch=self.branch, workflow=self.workflow, allow_forks=self.allow_forks
+            )
+        return find_in_run(gh, self.repo, int(self.run_id), self.name)
+
+
 def fetch_artifact(
-    repo: str,
-    *,
-    run_id: int | None = None,
-    latest: bool = False,
-    branch: str | None = None,
-    workflow: str | None = None,
-    name: str,
+    ref: ArtifactRef,
+    access: GitHubAccess,
     dest: str | os.PathLike,
-    api_url: str | None = None,
-    token: str | None,
-    progress: bool = True,
+    *,
     force: bool = False,
-    allow_forks: bool = False,
     bundle: bool = True,
+    progress: bool = True,
     max_bytes: int = MAX_ARCHIVE_BYTES,
     log: Callable[[str], None] | None = None,
-    session: requests.Session | None = None,
-    retry: RetryPolicy = RetryPolicy(),
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.time,
 ) -> Path:
-    """Download bundle artifact `name` of a run (`run_id`, or the newest successful one with `latest`) into
-    `dest`, verify GitHub's digest and the bundle manifest, and return `dest`. Raises FetchError."""
+    """Download artifact `ref` into `dest`, verify GitHub's digest and (a bundle's) manifest, and return `dest`.
+    `force` replaces a non-empty `dest`, keeping what is not the old bundle's; `bundle=False`: plain files, no
+    manifest. Raises FetchError."""
     log = log or (lambda _msg: None)
-    if not _REPO_RE.match(repo or ""):
-        raise FetchError(f"--repo {repo!r}: expected OWNER/NAME")
-    if (run_id is None) == (not latest):
-        raise FetchError("give exactly one of --run-id ID or --latest")
-    if run_id is not None and (branch or workflow):
-        raise FetchError("--branch and --workflow only apply with --latest")
-    if not name or name in (".", "..") or any(c in name for c in '"/\\:<>|*?\r\n'):
-        raise FetchError(f"--name {name!r}: not a valid artifact name")
-    if not token:
-        raise FetchError(
-            "no GitHub token: set GITHUB_TOKEN or GH_TOKEN (artifact downloads need one, even from public repos)"
-        )
-    check_token(token)
+    ref.check()
+    access.check()
     given = Path(dest)
     try:
         dest = absolute_destination(given)
     except PublishError as e:
         raise FetchError(str(e)) from None
     _prepare_dest(dest, force)
-
-    gh = GitHub(api_url or DEFAULT_API_URL, token, session=session, retry=retry, sleep=sleep, clock=clock)
-    if latest:
-        run, artifact = find_latest(gh, repo, name, branch=branch, workflow=workflow, allow_forks=allow_forks)
-    else:
-        run, artifact = find_in_run(gh, repo, int(run_id), name)
+    gh = access.connect()
+    run, artifact = ref.find(gh)
     sha = str(run.get("head_sha") or "")[:12]
     size = artifact.get("size_in_bytes", "?")
-    log(f"run {run.get('id')} ({run.get('head_branch')}@{sha}): artifact {name} id {artifact['id']}, {size} bytes")
-
+    log(f"run {run.get('id')} ({run.get('head_branch')}@{sha}): artifact {ref.name} id {artifact['id']}, {size} bytes")
     try:
         work = make_stage(dest)  # beside dest (one filesystem: the swap is a rename); a killed run's is swept
     except OSError as e:
         raise FetchError(f"{dest}: cannot create a directory beside it ({e.strerror or e})") from None
     try:
+        got = _Download(gh, ref, run, artifact, dest, given, max_bytes).into(work, progress=progress, bundle=bundle)
+        # swap in only now that the new one is known good, and only over what it may replace
+        _prepare_dest(dest, force, when=" (files appeared in it during the download; nothing was replaced)")
+        try:
+            kept = publish(got.staged, dest, merge=force)
+        except PublishError as e:
+            raise FetchError(str(e)) from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"{given}: {got.what} (sha256 {got.digest[:12]} zip)")
+    if kept is not None:
+        log(f"note: files that were in {given} beside the old bundle are kept in {kept}")
+    return given
+
+
+@dataclass
+class _Staged:
+    staged: Path  # the checked files, ready to publish
+    digest: str  # the zip's sha256
+    what: str  # what was checked, for the log line
+
+
+@dataclass
+class _Download:
+    """One artifact of one run, downloaded and unpacked into a stage directory and checked there."""
+
+    gh: GitHub
+    ref: ArtifactRef
+    run: dict
+    artifact: dict
+    dest: Path  # where it will be published (absolute)
+    shown_as: Path  # --dest as given: what a message names in place of the stage
+    max_bytes: int
+
+    def into(self, work: Path, *, progress: bool, bundle: bool) -> _Staged:
+        size = self.artifact.get("size_in_bytes", "?")
         if isinstance(size, int):  # the zip and, until it is removed, the files extracted from it
             try:
-                check_free_space(work, dest, 2 * size, f"artifact {name} (its zip, then the files in it)")
+                what = f"artifact {self.ref.name} (its zip, then the files in it)"
+                check_free_space(work, self.dest, 2 * size, what)
             except PublishError as e:
                 raise FetchError(str(e)) from None
         archive = work / "artifact.zip"
-        digest = download_zip(gh, repo, artifact, archive, progress=progress, max_bytes=max_bytes)
-        check_digest(artifact, digest)
+        digest = download_zip(
+            self.gh, self.ref.repo, self.artifact, archive, progress=progress, max_bytes=self.max_bytes
+        )
+        check_digest(self.artifact, digest)
         staged = work / "bundle"
         staged.mkdir()
+        manifest = self._unpack(archive, staged, bundle)
+        if manifest is None:
+            return _Staged(staged, digest, f"{sum(1 for p in staged.rglob('*') if p.is_file())} files")
+        write_provenance(staged, self.gh.api_url, self.ref.repo, self.run, self.artifact, digest)
+        return _Staged(staged, digest, f"{len(manifest.files)} files verified against {MANIFEST_NAME}")
+
+    def _unpack(self, archive: Path, staged: Path, bundle: bool):
+        """Extract the zip into `staged` and remove it; a bundle's manifest is verified and returned."""
         try:
-            extract_zip(archive, staged, max_bytes=max_bytes, bundle=bundle)
+            extract_zip(archive, staged, max_bytes=self.max_bytes, bundle=bundle)
             archive.unlink()
             # one mode for every file, as export writes them; before verifying: chmod changes the ctime that the
             # digest cache's key holds, and the first run would hash everything again
             for p in (staged, *staged.rglob("*")):
                 p.chmod(0o755 if p.is_dir() else 0o644)
-            manifest = verify_bundle(staged) if bundle else None
+            return verify_bundle(staged) if bundle else None
         except BundleError as e:
-            shown = str(e).replace(str(staged), str(given))
-            raise FetchError(f"artifact {name} of run {run.get('id')} is not a valid bundle: {shown}") from None
-        if manifest is not None:
-            write_provenance(staged, gh.api_url, repo, run, artifact, digest)
-            what = f"{len(manifest.files)} files verified against {MANIFEST_NAME}"
-        else:
-            what = f"{sum(1 for p in staged.rglob('*') if p.is_file())} files"
-        # swap in only now that the new one is known good, and only over what it may replace
-        _prepare_dest(dest, force, when=" (files appeared in it during the download; nothing was replaced)")
-        try:
-            kept = publish(staged, dest, merge=force)
-        except PublishError as e:
-            raise FetchError(str(e)) from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    log(f"{given}: {what} (sha256 {digest[:12]} zip)")
-    if kept is not None:
-        log(f"note: files that were in {given} beside the old bundle are kept in {kept}")
-    return given
+            shown = str(e).replace(str(staged), str(self.shown_as))
+            raise FetchError(
+                f"artifact {self.ref.name} of run {self.run.get('id')} is not a valid bundle: {shown}"
+            ) from None
 
 
 def write_provenance(staged: Path, api_url: str, repo: str, run: dict, artifact: dict, zip_sha256: str) -> None:
@@ -323,20 +364,22 @@ def main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr)
 
-    dest = fetch_artifact(
+    ref = ArtifactRef(
         args.repo,
+        args.name,
         run_id=args.run_id,
         latest=args.latest,
         branch=args.branch,
         workflow=args.workflow,
-        name=args.name,
-        dest=args.dest or Path("artifacts") / args.name,
-        api_url=args.api_url or args.env.github_api_url,
-        token=args.env.github_token,
-        progress=not args.no_progress and sys.stderr.isatty(),
-        force=args.force,
         allow_forks=args.allow_forks,
+    )
+    dest = fetch_artifact(
+        ref,
+        GitHubAccess(api_url=args.api_url or args.env.github_api_url, token=args.env.github_token),
+        args.dest or Path("artifacts") / args.name,
+        force=args.force,
         bundle=not args.files,
+        progress=not args.no_progress and sys.stderr.isatty(),
         log=log,
     )
     print(dest)  # stdout carries only the directory, for DIR=$(python -m runner fetch ...)

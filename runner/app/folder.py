@@ -331,7 +331,9 @@ class Progress:
 
 
 @dataclass
-class Work:
+class FilePlan:
+    """The files a `run` was asked for, those it still has to do, and where their records go."""
+
     paths: list[Path]  # every file asked for
     todo: list[Path]  # those without a successful record in --out
     out: ResultsFile | None
@@ -341,14 +343,14 @@ class Work:
             self.out.close()
 
 
-def prepare(args: argparse.Namespace) -> Work:
+def prepare(args: argparse.Namespace) -> FilePlan:
     """The files, the --batch and --out checks and what --out already holds: all before the program loads."""
     if args.batch < 1:
         raise RunnerError(f"--batch {args.batch}: must be at least 1 (1: one file after another)")
     paths = collect(args, unique=args.out is not None)
     out = ResultsFile.open(args.out) if args.out is not None else None
     if out is None:
-        return Work(paths, paths, None)
+        return FilePlan(paths, paths, None)
     for note in out.notes:
         print(f"note: {note}", file=sys.stderr)
     todo = [p for p in paths if file_key(str(p)) not in out.done]
@@ -358,4 +360,4 @@ def prepare(args: argparse.Namespace) -> Work:
             "(files with an error record run again)",
             file=sys.stderr,
         )
-    return Work(paths, todo, out)
+    return FilePlan(paths, todo, out)

@@ -120,6 +120,39 @@ def check_token(token: str) -> None:
                          "check GITHUB_TOKEN / GH_TOKEN")  # fmt: skip
 
 
+@dataclass(frozen=True, kw_only=True)
+class GitHubAccess:
+    """How to reach GitHub: the API root and the token, and for tests the HTTP session, retries and clock. A value;
+    `connect()` makes the client. (Keyword-only, so a test can swap `sleep`'s default in __init__.__kwdefaults__
+    for a run through the CLI.)"""
+
+    api_url: str | None = None  # None: DEFAULT_API_URL
+    token: str | None = None
+    session: requests.Session | None = None
+    retry: RetryPolicy = RetryPolicy()
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.time
+
+    def check(self) -> None:
+        """A token is there and could go in a header (before any request, and before --dest is touched)."""
+        if not self.token:
+            raise FetchError(
+                "no GitHub token: set GITHUB_TOKEN or GH_TOKEN (artifact downloads need one, even from public repos)"
+            )
+        check_token(self.token)
+
+    def connect(self) -> GitHub:
+        self.check()
+        return GitHub(
+            self.api_url or DEFAULT_API_URL,
+            self.token,
+            session=self.session,
+            retry=self.retry,
+            sleep=self.sleep,
+            clock=self.clock,
+        )
+
+
 class GitHub:
     """A minimal REST client: auth headers on API requests only, bounded retries, Link pagination."""
 

@@ -86,10 +86,27 @@ def add_runtime_flags(p: argparse.ArgumentParser, encoder: bool = True) -> None:
             default=0,
             metavar="T",
             help="prefill a prompt in pieces of at most T tokens (default 0: in one call), each attending to the "
-            "ones before it; less GPU memory for long audio, the same transcript (CUDA bundles exported since "
-            "session 25)",
+            "ones before it; less GPU memory for long audio, the same transcript (CUDA bundles)",
         )
+    else:
+        p.set_defaults(encoder_chunks=0, prefill_chunk=0)
     p.add_argument("--rehash", action="store_true", help="hash every bundle file again (ignore remembered digests)")
+
+
+# What runtime_options reads when a verb has none of the switches (export, inspect, fetch)
+RUNTIME_FLAG_DEFAULTS = {
+    "no_cuda_graph": False,
+    "no_pdl": False,
+    "no_warm_up": False,
+    "encoder_chunks": 0,
+    "prefill_chunk": 0,
+    "rehash": False,
+}
+
+
+def add_runtime_defaults(p: argparse.ArgumentParser) -> None:
+    """The switches' values for a parser without them; a verb that has them overrides these."""
+    p.set_defaults(**RUNTIME_FLAG_DEFAULTS)
 
 
 def _count(unit: str):
@@ -108,12 +125,13 @@ def _count(unit: str):
 
 
 def runtime_options(args: argparse.Namespace, env: Environment) -> RuntimeOptions:
+    """The switches (every verb has them: its own flags, or add_runtime_defaults' values) and the environment."""
     return RuntimeOptions(
-        cuda_graph=not getattr(args, "no_cuda_graph", False),
-        warm_up=not getattr(args, "no_warm_up", False),
-        encoder_chunks=getattr(args, "encoder_chunks", 0),
-        prefill_chunk=getattr(args, "prefill_chunk", 0),
-        pdl=env.pdl and not getattr(args, "no_pdl", False),
-        rehash=env.rehash or getattr(args, "rehash", False),
+        cuda_graph=not args.no_cuda_graph,
+        warm_up=not args.no_warm_up,
+        encoder_chunks=args.encoder_chunks,
+        prefill_chunk=args.prefill_chunk,
+        pdl=env.pdl and not args.no_pdl,
+        rehash=env.rehash or args.rehash,
         cache_dir=env.cache_dir,
     )

@@ -1,11 +1,59 @@
-"""`run`'s flags, apart from the verb (runner/app/run.py, which imports torch): `--help` builds them without it."""
+"""`run`'s flags and the options value made from them once, apart from the verb (runner/app/run.py, which imports
+torch): `--help` builds them without it."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from runner.app.options import add_runtime_flags
+from runner.runtime.options import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything `run` does with its files, from the flags and the environment; made once, at the CLI's edge."""
+
+    runtime: RuntimeOptions
+    batch: int = 1
+    prompt: str | None = None
+    language: str | None = None
+    json: bool = False  # stdout carries only the JSON lines; text goes to stderr
+    # generation
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0
+    # the checks
+    reference: str | None = None  # "eager": compare with the eager model on the bundle's weights
+    expect: str | None = None
+    expect_tokens: Path | None = None
+    wer: Path | None = None
+    max_wer: float | None = None
+    step_summary: Path | None = None  # the job summary the e2e table is appended to
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        return cls(
+            runtime=args.runtime,
+            batch=args.batch,
+            prompt=args.prompt,
+            language=args.language,
+            json=args.json,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            min_new_tokens=args.min_new_tokens,
+            reference=args.reference,
+            expect=args.expect,
+            expect_tokens=args.expect_tokens,
+            wer=args.wer,
+            max_wer=args.max_wer,
+            step_summary=args.env.step_summary,
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

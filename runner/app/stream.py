@@ -111,16 +111,33 @@ def first_difference(want: list[int], got: list[int]) -> int | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from runner.audio import SAMPLE_RATE
+    from runner.app.golden import read_golden
     from runner.errors import RunnerError
-    from runner.families import family_for
-    from runner.families.voxtral_realtime import Stream, StreamBatch, program_steps, run_fed
+    from runner.families.voxtral_realtime import program_steps
     from runner.runtime.program import Program
 
     if args.bench:
         if args.audio:
             raise RunnerError("--bench streams synthetic audio: give no --audio")
         return _bench(args)
+    _check_sources(args)
+    with Program.load(args.bundle, options=args.runtime) as program:
+        family = streaming_family(args.bundle, program.manifest.model)
+        golden = read_golden(args.expect_tokens, program.manifest) if args.expect_tokens is not None else None
+        steps = program_steps(program, args.runtime, family.spec.window)
+        records = _stream_sources(args, family, steps)
+        failures = check_streams(args, program, steps, family.spec, records, golden)
+    _print_records(records, args.json)
+    if failures:
+        for f in failures[:-1]:
+            print(f"error: {f}", file=sys.stderr)
+        raise RunnerError(failures[-1])
+    return 0
+
+
+def _check_sources(args: argparse.Namespace) -> None:
+    from runner.errors import RunnerError
+
     if not args.audio:
         raise RunnerError("--audio FILE (or -) is required, unless --bench")
     if args.block_ms < 1:
@@ -129,79 +146,78 @@ def main(args: argparse.Namespace) -> int:
         raise RunnerError("--audio -: stdin is one stream; give it alone")
     if "-" in args.audio and (args.check_whole or args.reference):
         raise RunnerError("--check-whole and --reference need audio files, not stdin")
+
+
+def _stream_sources(args: argparse.Namespace, family, steps) -> list[dict]:
+    """Every --audio source through the bundle's steps, concurrently; each one's record (text, tokens, stats) as
+    it ends. One stream's text is printed as it comes; several streams' each when its stream ends."""
+    from runner.audio import SAMPLE_RATE
+    from runner.families.voxtral_realtime import Stream, StreamBatch, run_fed
+
     out = sys.stderr if args.json else sys.stdout
-    with Program.load(args.bundle, options=args.runtime) as program:
-        model = program.manifest.model
-        _check_family(args.bundle, model)
-        family = family_for(args.bundle, model)
-        spec, tok = family.spec, family.tokenizer
-        golden = None
-        if args.expect_tokens is not None:
-            from runner.app.run import _read_golden
+    spec, tok = family.spec, family.tokenizer
+    block = max(1, args.block_ms * SAMPLE_RATE // 1000)
+    texts = [family.decoder() for _ in args.audio]
+    live_text = len(args.audio) == 1
 
-            golden = _read_golden(args.expect_tokens, program)
-        steps = program_steps(program, args.runtime, spec.window)
-        block = max(1, args.block_ms * SAMPLE_RATE // 1000)
-        texts = [family.decoder() for _ in args.audio]
-        live_text = len(args.audio) == 1  # one stream's text as it comes; several: each file's when it ends
+    def on_token(i: int):
+        def write(token: int) -> None:
+            if live_text and token < tok.vocab_size:
+                out.write(texts[i].feed(token))
+                out.flush()
 
-        def on_token(i: int):
-            def write(token: int) -> None:
-                if live_text and token < tok.vocab_size:
-                    out.write(texts[i].feed(token))
-                    out.flush()
+        return write
 
-            return write
+    streams = [Stream(spec, on_token(i)) for i in range(len(args.audio))]
+    records: list[dict] = [{} for _ in args.audio]
 
-        streams = [Stream(spec, on_token(i)) for i in range(len(args.audio))]
-        records: list[dict] = [{} for _ in args.audio]
+    def done(i: int) -> None:
+        s = streams[i]
+        text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
+        out.write((texts[i].flush() if live_text else f"{args.audio[i]}: {text}") + "\n")
+        out.flush()
+        records[i] = {"audio": args.audio[i], "text": text, "tokens": s.tokens}
+        records[i]["stats"] = stream_stats(s, spec, s.received / SAMPLE_RATE)
 
-        def done(i: int) -> None:
-            s = streams[i]
-            text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
-            out.write((texts[i].flush() if live_text else f"{args.audio[i]}: {text}") + "\n")
-            out.flush()
-            records[i] = {"audio": args.audio[i], "text": text, "tokens": s.tokens}
-            records[i]["stats"] = stream_stats(s, spec, s.received / SAMPLE_RATE)
+    steps.reset()
+    sources = [(s, _blocks(args, src, block)) for s, src in zip(streams, args.audio)]
+    run_fed(StreamBatch(steps, spec), sources, on_done=done)
+    return records
 
-        steps.reset()
-        sources = [(s, _blocks(args, src, block)) for s, src in zip(streams, args.audio)]
-        run_fed(StreamBatch(steps, spec), sources, on_done=done)
-        failures = check_streams(args, program, steps, spec, records, golden)
+
+def _print_records(records: list[dict], as_json: bool) -> None:
     for rec in records:
-        if args.json:
+        if as_json:
             print(json.dumps(rec), flush=True)
-        else:
-            st = rec["stats"]
-            print(
-                f"{rec['audio']}: steps {st['steps']}  step p50 {st['step_ms_p50']:.2f} ms  p99 "
-                f"{st['step_ms_p99']:.2f} ms  token lag p50 {st['token_lag_ms_p50']:.2f} ms  p99 "
-                f"{st['token_lag_ms_p99']:.2f} ms  model delay {st['model_delay_ms']:.0f} ms  RTF {st['rtf']:.3f}",
-                file=sys.stderr,
-            )
-    if failures:
-        for f in failures[:-1]:
-            print(f"error: {f}", file=sys.stderr)
-        raise RunnerError(failures[-1])
-    return 0
+            continue
+        st = rec["stats"]
+        print(
+            f"{rec['audio']}: steps {st['steps']}  step p50 {st['step_ms_p50']:.2f} ms  p99 "
+            f"{st['step_ms_p99']:.2f} ms  token lag p50 {st['token_lag_ms_p50']:.2f} ms  p99 "
+            f"{st['token_lag_ms_p99']:.2f} ms  model delay {st['model_delay_ms']:.0f} ms  RTF {st['rtf']:.3f}",
+            file=sys.stderr,
+        )
 
 
 def _bench(args: argparse.Namespace) -> int:
     from runner.app import stream_bench
-    from runner.families import family_for
     from runner.runtime.program import Program
 
     with Program.load(args.bundle, options=args.runtime) as program:
-        _check_family(args.bundle, program.manifest.model)
-        return stream_bench.main(args, program, family_for(args.bundle, program.manifest.model))
+        family = streaming_family(args.bundle, program.manifest.model)
+        return stream_bench.main(args, program, family)
 
 
-def _check_family(bundle: Path, model: dict) -> None:
+def streaming_family(bundle: Path, model: dict):
+    """The bundle's family, which must declare streaming (its methods are the streaming steps)."""
     from runner.errors import RunnerError
-    from runner.families.voxtral_realtime import NAME
+    from runner.families import FAMILIES, family_for
 
-    if model.get("family") != NAME:
-        raise RunnerError(f"{bundle}: a {model.get('family', 'voxtral')} bundle; `stream` takes {NAME} bundles")
+    family = family_for(bundle, model)
+    if not family.capabilities.streaming:
+        streaming = " or ".join(name for name, f in FAMILIES.items() if f.capabilities.streaming)
+        raise RunnerError(f"{bundle}: a {family.name} bundle; `stream` takes {streaming} bundles")
+    return family
 
 
 def check_streams(args, program, steps, spec, records: list[dict], golden: dict | None) -> list[str]:

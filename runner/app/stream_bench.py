@@ -33,7 +33,7 @@ from runner.families.voxtral_realtime import GraphSteps, Stream, StreamBatch, pr
 from runner.runtime.graphs import batch_sizes
 
 WARMUP_STEPS = 5
-TARGETS = {  # the issue's, for a 4B bf16 bundle on an H200
+TARGETS = {  # what a 4B bf16 bundle should sustain on an H200
     "step_ms_p99": 3.0,
     "decode_tokens_per_s": 400.0,
     "max_streams_held": 64,
@@ -237,8 +237,7 @@ def _sizes(text: str | None, streams: int) -> list[int]:
     return sizes
 
 
-def bench(args: argparse.Namespace, program, family) -> dict:
-    spec = family.spec
+def _check_options(args: argparse.Namespace) -> None:
     for flag, v in (
         ("--bench-seconds", args.bench_seconds),
         ("--bench-steps", args.bench_steps),
@@ -247,6 +246,11 @@ def bench(args: argparse.Namespace, program, family) -> dict:
     ):
         if not v > 0:
             raise RunnerError(f"{flag} {v}: must be > 0")
+
+
+def bench(args: argparse.Namespace, program, family) -> dict:
+    spec = family.spec
+    _check_options(args)
     steps = program_steps(program, args.runtime, spec.window)
     sizes = _sizes(args.bench_batches, steps.streams)
     if isinstance(steps, GraphSteps):  # replay only what was captured: round each size up to a graph's
@@ -269,18 +273,7 @@ def bench(args: argparse.Namespace, program, family) -> dict:
         _say(f"latency at batch {r['batch']}: p50 {r['token_latency_ms_p50']} ms, p99 {r['token_latency_ms_p99']} ms")
     long = long_stream(steps, spec, args.long_minutes, args.long_limit_s)
     _say(f"long stream: {long['minutes']} min in {long['wall_s']} s; growth {long['growth_mib']}")
-    m = program.manifest
-    return {
-        "bundle": str(program.bundle_dir),
-        "model": m.model.get("source", {}).get("name", ""),
-        "device": dev,
-        "gpu": torch.cuda.get_device_name() if dev == "cuda" else "",
-        "cpu": f"{platform.machine()} x{os.cpu_count()}",
-        "dtype": m.dtype,
-        "torch_version": torch.__version__,
-        "cuda_graphs": isinstance(steps, GraphSteps),
-        "max_streams": steps.streams,
-        "model_delay_ms": spec.num_delay_tokens * spec.samples_per_token * 1e3 / SAMPLE_RATE,
+    measured = {
         "step_ms_p50": round(_pct(t, 50), 4),
         "step_ms_p99": round(_pct(t, 99), 4),
         "steps_timed": len(t),
@@ -292,15 +285,37 @@ def bench(args: argparse.Namespace, program, family) -> dict:
         "memory_after_load": loaded,
         "long_stream": long,
         "memory_growth_mib": long["growth_mib"].get("allocated_mib", long["growth_mib"]["rss_mib"]),
+    }
+    return _result(args, program, steps, spec, measured)
+
+
+def _result(args: argparse.Namespace, program, steps, spec, measured: dict) -> dict:
+    """The benchmark's JSON: what was measured, on what, with which settings."""
+    m, dev = program.manifest, steps.device
+    return {
+        "bundle": str(program.bundle_dir),
+        "model": m.model.get("source", {}).get("name", ""),
+        "device": dev,
+        "gpu": torch.cuda.get_device_name() if dev == "cuda" else "",
+        "cpu": f"{platform.machine()} x{os.cpu_count()}",
+        "dtype": m.dtype,
+        "torch_version": torch.__version__,
+        "cuda_graphs": isinstance(steps, GraphSteps),
+        "max_streams": steps.streams,
+        "model_delay_ms": spec.num_delay_tokens * spec.samples_per_token * 1e3 / SAMPLE_RATE,
+        **measured,
         "args": {
-            k: getattr(args, k)
-            for k in ("bench_seconds", "bench_steps", "latency_seconds", "long_minutes", "long_limit_s")
+            "bench_seconds": args.bench_seconds,
+            "bench_steps": args.bench_steps,
+            "latency_seconds": args.latency_seconds,
+            "long_minutes": args.long_minutes,
+            "long_limit_s": args.long_limit_s,
         },
     }
 
 
-def table(r: dict) -> str:
-    """The headline figures beside the issue's targets, then the batch sweep."""
+def _headline_rows(r: dict) -> list[tuple[str, str, str]]:
+    """(figure, measured, target) for each headline figure."""
     held_at = next((x for x in r["batches"] if x["batch"] == r["max_streams_held"]), None)
     lat = {x["batch"]: x for x in r["latency"]}
     one = lat.get(1, {})
@@ -349,6 +364,12 @@ def table(r: dict) -> str:
                 "",
             )
         )
+    return rows
+
+
+def table(r: dict) -> str:
+    """The headline figures beside the targets, then the batch sweep."""
+    rows = _headline_rows(r)
     out = [
         f"### Voxtral Realtime streaming: `{r['model']}`, {r['device']} {r['gpu'] or r['cpu']}, {r['dtype']}, "
         f"{'CUDA graphs' if r['cuda_graphs'] else 'method calls'}, model delay {r['model_delay_ms']:.0f} ms",

@@ -7,7 +7,7 @@ folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and
 (RoPE, the cache write, attention over the valid positions only). A linear layer quantised to int4
 (`QuantLinear`, `--quant int4`) is aten's `_weight_int4pack_mm` (tinygemm, on the bundle's buffers as stored), its
 RMSNorm, residual add and SiLU(gate) * up plain torch around it, which Inductor fuses into one kernel each: our own
-int4 GEMVs were instruction-bound, slower than tinygemm at every 3B shape (benchmarks/NOTES.md 33, 36, 47). On
+int4 GEMVs were instruction-bound, slower than tinygemm (benchmarks/NOTES.md has the measurements). On
 CPU it is the plain decoder at S = 1.
 """
 

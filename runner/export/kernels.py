@@ -1,9 +1,8 @@
 """Triton kernels for the decode step (one token), compiled into the CUDA `text_decoder_step` by AOTInductor.
 
-Why hand-written: at one token every decoder matmul is a GEMV that streams its weight once. On the H200 cuBLAS
-reached 3.87 TB/s on gate_up but 2.64 TB/s on o_proj/down (split-K, plus a separate reduce kernel each), and
-the written-out attention read the whole 1024-slot cache with three kernels per layer
-(`benchmarks/NOTES.md`, item 6). These kernels:
+Why hand-written: at one token every decoder matmul is a GEMV that streams its weight once. cuBLAS split-K'd
+o_proj/down with a separate reduce kernel each, well below the bus rate, and the written-out attention read the
+whole cache with three kernels per layer (benchmarks/NOTES.md has the measurements). These kernels:
   - `rms_gemv`: RMSNorm folded into the GEMV (W (g * x) * rstd: the norm's scale is applied after the sum, so
     the input is read once), optionally with SiLU(gate) * up in the epilogue (the fused gate_up weight) or a
     float32 output (lm_head);
@@ -35,10 +34,10 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms_f32", 131072, 3072): (4, 4096, 4, 1),
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
-# Splits of the positions per KV head, and positions per block: 4 x 128 and 8 x 64 measured within 2 us per step
-# of each other on the H200 (benchmarks/NOTES.md). A cache of LONG_CACHE positions or more (the 10-minute bundle)
-# gets LONG_SPLITS: at 7500 positions 4 splits are 32 programs for 132 SMs, each streaming 1900 positions; at a
-# short position the extra splits find nothing to do (a split is at least BLOCK_T positions) and exit.
+# Splits of the positions per KV head, and positions per block (benchmarks/NOTES.md has the sweep). A cache of
+# LONG_CACHE positions or more (the 10-minute bundle) gets LONG_SPLITS: with few splits a long cache leaves most
+# SMs idle, each program streaming thousands of positions; at a short position the extra splits find nothing to do
+# (a split is at least BLOCK_T positions) and exit.
 ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
 LONG_CACHE, LONG_SPLITS = 4096, 16
 
@@ -56,7 +55,7 @@ def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
 def _after_predecessor(anchor):
     """griddepcontrol.wait (the kernel before this one has finished and its writes are visible), then
     griddepcontrol.launch_dependents (the kernel after may start); returns 0, to be added to the pointers read
-    afterwards. Both are no-ops in a kernel launched without programmatic dependent launch (runner/pdl.py).
+    afterwards. Both are no-ops in a kernel launched without programmatic dependent launch (runner/runtime/pdl.py).
 
     Inline asm marked pure, not Triton's gdc_wait: AOTInductor's mutation analysis (torch 2.11) cannot analyse
     the impure op, assumes every input mutated and gives the exported method an output per input (NOTES.md);

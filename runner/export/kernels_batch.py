@@ -2,10 +2,8 @@
 AOTInductor: each row attends to its own slot's valid positions only.
 
 Why hand-written: the written-out attention of runner/models/voxtral_batch.py reads every slot's whole cache and
-makes a float32 score per position, valid or not. At 32 slots of the 10-minute capacity (10240 positions) that is
-40 GB of keys and values per step for the 3B, where the rows' valid positions are a few hundred each; at the
-1024-position headline shape it was still part of why batch 32 reached half its target (benchmarks/NOTES.md item
-35). Here program (row b, KV head j, split s) reads positions [0, pos[b]] of slot b, its s-th slice, with the
+makes a float32 score per position, valid or not: with many slots of a long context that is the whole slot cache
+read per step, where the rows' valid positions are a few hundred each. Here program (row b, KV head j, split s) reads positions [0, pos[b]] of slot b, its s-th slice, with the
 query heads of KV head j together (as the decode kernel does); the splits are merged by a few torch ops after it.
 """
 

@@ -3,10 +3,10 @@ compiles into the `.so` (the prefill cannot call tinygemm: it is for a few rows;
 
 `int4_dequantize` writes the bf16 weight, then the prompt's bf16 matmul reads it. Through Inductor,
 quant_linear.dequantize's unpacking (a permute of eight dims) became a kernel that gathers every output's word on
-its own: the 3B int4 prefill took 17.4 ms against bf16's 6.67 (benchmarks/NOTES.md 48). Here a program reads its
-block of words once, in order, unpacks them in registers, reorders the codes into the weight's [rows, columns] tile
-and writes whole rows: 0.5 + 2 bytes per weight moved (2.64 ms for the 3B's 30 layers, NOTES 55). A Triton matmul
-that dequantised inside its K loop instead was measured slower at every size and tile, and removed (NOTES 66).
+its own, far slower than the bf16 prefill. Here a program reads its block of words once, in order, unpacks them in
+registers, reorders the codes into the weight's [rows, columns] tile and writes whole rows: 0.5 + 2 bytes per
+weight moved. A Triton matmul that dequantised inside its K loop instead was measured slower at every size and
+tile, and removed.
 
 With bf16 scales (the CUDA bundles') the values are quant_linear.dequantize's bit for bit: (q - 8) * scale is exact
 in float32 (a 4-bit integer times an 8-bit significand), so only the add rounds, and the cast once more, as there.
@@ -67,7 +67,7 @@ def _dequant_kernel(
     """Program (rows block b, k block kt): its R8 blocks of 8 rows -> W[8 R8 b : +8 R8, 32 J kt : +32 J]."""
     b, kt = tl.program_id(0), tl.program_id(1)
     cols = kt * (32 * J) + tl.arange(0, 32 * J)
-    for i in tl.static_range(R8):  # a block of 8 rows at a time, as measured (NOTES 55)
+    for i in tl.static_range(R8):  # a block of 8 rows at a time (the fastest measured)
         n8 = b * R8 + i + tl.arange(0, 1)
         code = _codes(q_ptr, n8, kt, K // (32 * J), J)  # [8, 32 J]
         rows = (b * R8 + i) * 8 + tl.arange(0, 8).to(tl.int64)

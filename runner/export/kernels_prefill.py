@@ -3,9 +3,9 @@ the prompt's positions (and, for a prompt in pieces, `--prefill-chunk`, the posi
 into the `.so` by AOTInductor.
 
 Why hand-written: the written-out attention makes an [S * rep, S] float32 score matrix per KV head, and on
-torch 2.11 CUDA only its whole-cache form ([S * rep, max_seq]) exported for a dynamic length (benchmarks/NOTES.md
-item 32): a 10-minute prompt (7510 tokens in an 8192 bundle) spent most of its 322 ms prefill and ≈ 4 GiB of peak
-memory on scores, and a 30 s prompt cost 3× more in a 10-minute bundle than in a 1024 one. This kernel keeps the
+torch 2.11 CUDA only its whole-cache form ([S * rep, max_seq]) exported for a dynamic length: a long prompt spent
+most of its prefill and peak memory on scores, and a short prompt cost more in a long bundle than in a short one.
+This kernel keeps the
 scores in registers (online softmax) and reads keys only up to each query block's last position, so the cost
 follows the prompt, not the cache. As a `triton_op` it is one opaque node to torch.export, which therefore has no
 score shapes to reason about.
@@ -14,16 +14,13 @@ Layout: the query heads of one KV head are folded into one program's rows (row r
 r // rep, query head j * rep + r % rep), so each program reads one KV head's keys once for all of its query heads.
 The op reads those rows straight from the qkv projection's output and applies RoPE to them as it loads them, and
 writes o_proj's input ([S, H * D]): the queries' RoPE and the two layout copies around the attention, written as
-torch ops, were three kernels per layer (≈ 0.9 ms of the 30 s prefill, ≈ 16 ms of the 10-minute one on an H100:
-Inductor recomputed cos/sin inside each, benchmarks/NOTES.md item 58).
+torch ops, were three kernels per layer (Inductor recomputed cos/sin inside each).
 
-`silu_mul`: the MLP's SiLU(gate) * up on the gate_up projection's output, one pass at the bus rate. Inductor's
-fused kernel for the same two ops ran at ≈ 1.3 TB/s on an H100 (its GELU in the encoder, 2.8), 8.7 ms of the
-10-minute prefill (NOTES item 61).
+`silu_mul`: the MLP's SiLU(gate) * up on the gate_up projection's output, one pass at the bus rate (Inductor's
+fused kernel for the same two ops ran well below it).
 
 `add_layer_norm`: the audio encoder's residual add and the LayerNorm after it in one pass that reads each row once.
-Inductor fuses the two into a looped reduction that reads its inputs again for the normalisation: ≈ 1.6–1.8 TB/s
-counted once, 10.2 ms of the 10-minute prompt's encoder on an H100 (NOTES item 62).
+Inductor fuses the two into a looped reduction that reads its inputs again for the normalisation.
 """
 
 from __future__ import annotations
@@ -39,11 +36,10 @@ LOG2E = 1.4426950408889634
 
 
 def prefill_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): for a head of 128, 128-row blocks. In the
-    3B bundle's 10-minute prefill on an H100 they took 1.04 ms per layer where (64, 64, 4, 3) took 1.24, though
-    64-row blocks were the fastest when one cache was timed alone (its keys still in L2 from the call before; each
-    block re-reads the keys below it, and half-size blocks re-read them twice as often: NOTES item 64). Small
-    heads (the tiny model) take small tiles."""
+    """(BLOCK_M query rows, BLOCK_N positions, num_warps, num_stages): for a head of 128, 128-row blocks, the
+    fastest in a whole prefill, though 64-row blocks win when one cache is timed alone (its keys still in L2 from
+    the call before; each block re-reads the keys below it, and half-size blocks re-read them twice as often).
+    Small heads (the tiny model) take small tiles."""
     return (128, 64, 8, 3) if head_dim >= 64 else (32, 16, 4, 2)
 
 
@@ -264,7 +260,7 @@ def _launch_add_layer_norm(x, delta, weight, bias, eps: float):
     total, out = torch.empty_like(x), torch.empty_like(x)
     rows = x.numel() // n
     block = triton.next_power_of_2(n)
-    # eps a constant: as a float argument Inductor passes it as a float64 (NOTES item 11)
+    # eps a constant: as a float argument Inductor passes it as a float64
     wrap_triton(_add_layer_norm_kernel)[(rows,)](
         x, delta, weight, bias, total, out, EPS=eps, N=n, BLOCK_N=block, num_warps=4
     )

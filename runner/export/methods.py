@@ -113,6 +113,29 @@ def method_weights(plan: MethodPlan, weights_filter=None) -> dict[str, torch.Ten
     return {k: v.detach().contiguous() for k, v in _method_tensors(plan, weights_filter).items()}
 
 
+class TracedSlots:
+    """The modules a method was traced over, with its state sized for every slot (the batched decoder's slot
+    caches, the streaming steps' stream rows): torch keeps the last trace alive after the compile, so their state
+    buffers (those named under `prefix`) are freed once the method is compiled. Buffers the modules reach but do
+    not own (the eager model's caches, through its layers) are not theirs to free."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.modules: list[nn.Module] = []
+
+    def add(self, module: nn.Module) -> nn.Module:
+        self.modules.append(module)
+        return module
+
+    def slot_buffers(self) -> list[torch.Tensor]:
+        return [b for m in self.modules for n, b in m.named_buffers() if n.startswith(self.prefix)]
+
+    def release(self) -> None:
+        for buf in self.slot_buffers():
+            buf.untyped_storage().resize_(0)  # freed in place, whoever still refers to it
+        self.modules.clear()
+
+
 # room for the methods' `.so` files (the weights are not in them) and their compiles' scratch, all in the stage
 COMPILE_ALLOWANCE = 256 << 20
 

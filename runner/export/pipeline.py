@@ -30,13 +30,12 @@ from runner import __version__
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
 from runner.bundle import FORMAT_VERSION, Manifest, file_entries, read_manifest, verify_bundle, write_manifest
 from runner.digests import DigestCache, default_cache_dir, sha256_file
-from runner.errors import TERMINATING, BundleError, ExportError
+from runner.errors import BundleError, Cancellation, ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
 from runner.export.methods import COMPILE_ALLOWANCE, MethodPlan, bytes_needed, dtype_name, method_weights
-from runner.export.quant import PATTERNS as QUANT_PATTERNS
+from runner.export.registry import ExportFamily, taking
 from runner.export.self_check import check_bundle
-from runner.families.voxtral_realtime import NAME as REALTIME
 from runner.publish import (
     absolute_destination,
     check_destination,
@@ -52,8 +51,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUANTS = ("none", "int4")  # --quant: weight-only int4 of the decoder's linear layers (export/quant.py)
-# Families whose bundle can take `--max-batch` > 1 (a batched decode step); the others decode one file at a time.
-BATCHED_FAMILIES = ("voxtral",)
 # Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
 PIPELINE_SOURCES = ("export/pipeline.py", "export/methods.py", "models/mel.py", "audio.py")
 
@@ -70,9 +67,11 @@ class ExportOptions:
     pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
     force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
     quant: str = "none"  # "int4": the decoder's linear layers weight-only int4 (runner/export/quant.py)
-    max_streams: int | None = None  # voxtral-realtime: stream slots batched in one step (None: the family's default)
-    max_batch: int = 1  # voxtral: > 1 adds text_decoder_batch, that many sequences decoded in one step
+    max_streams: int | None = None  # a streaming family's stream slots batched in one step (None: its default)
+    max_batch: int = 1  # a batching family: > 1 adds text_decoder_batch, that many sequences decoded in one step
     max_autotune: tuple[str, ...] = ()  # methods compiled with Inductor's max_autotune (GEMM templates benchmarked)
+    # checked between methods and before publishing; not part of what the bundle is built from
+    cancel: Cancellation = field(default_factory=Cancellation, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         chunks = self.max_audio_chunks
@@ -205,8 +204,8 @@ def release_compile_copies() -> None:
     """Free what a finished compile still holds. AOTInductor clones every buffer the graph mutates (the KV caches,
     the streams' state) into the graph module's meta (`NAME__original__`, compile_fx._unlift_graph), and torch.export
     keeps its last trace, and with it that module, alive until the next one (torch 2.13: a module-level proxy map,
-    cleared here; torch 2.11 holds it elsewhere). At 4B realtime the clone was 55.8 GB: measured on torch 2.11, the
-    next step's compile ran out of GPU memory. So the clones' storages are shrunk to nothing whoever holds them:
+    cleared here; torch 2.11 holds it elsewhere). At the largest sizes the clone is as large as the state, and the
+    next method's compile ran out of GPU memory. So the clones' storages are shrunk to nothing whoever holds them:
     the compile that read them is over."""
     from torch.fx.experimental import proxy_tensor
 
@@ -233,7 +232,7 @@ def free_storage(t: object) -> None:
 def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], weights_filter) -> None:
     """The method's weights into its file, or, for a second method over one module (text_decoder_step), its names
     checked against the file's. A function of its own so that nothing outlives it: the dict's tensors are views of
-    the device's weights, and the self-check frees those by moving the eager model (NOTES item 51)."""
+    the device's weights, and the self-check frees those by moving the eager model."""
     weights = method_weights(plan, weights_filter)
     if plan.spec.weights in written:
         if written[plan.spec.weights] != set(weights):
@@ -243,33 +242,42 @@ def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], w
         written[plan.spec.weights] = set(weights)
 
 
-def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: str) -> tuple[nn.Module, dict]:
+def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: ExportFamily) -> tuple[nn.Module, dict]:
     """The eager model on the export's device and dtype with its KV cache, and the manifest's `model` fields every
-    family has; the family's exporter adds its own."""
+    family has; the family's exporter adds its own. An option the family does not take is refused first."""
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda: no CUDA device visible to torch")
-    if opts.max_batch > 1 and family not in BATCHED_FAMILIES:
-        raise ExportError(
-            f"--max-batch {opts.max_batch}: a {family} bundle has no batched decode step "
-            f"(only {', '.join(BATCHED_FAMILIES)} bundles take --max-batch > 1)"
-        )
-    if opts.quant != "none" and family not in QUANT_PATTERNS:
-        raise ExportError(
-            f"--quant {opts.quant}: a {family} bundle has no quantised path (only "
-            f"{', '.join(QUANT_PATTERNS)} bundles take --quant)"
-        )
-    if opts.max_streams is not None and family != REALTIME:
-        raise ExportError(f"--max-streams: a {family} bundle has no stream slots (only {REALTIME} bundles take it)")
+    check_options(opts, family)
     dtype = DTYPES[opts.dtype]
     model = model.to(device=opts.device, dtype=dtype).eval()
     model.setup_caches(opts.max_seq_len, dtype)
     meta = {
-        "family": family,
+        "family": family.name,
+        "required_methods": list(family.methods),
         "config": model.config.to_dict(),
         "source": source.to_dict(),
         "max_seq_len": opts.max_seq_len,
     }
     return model, meta
+
+
+def check_options(opts: ExportOptions, family: ExportFamily) -> None:
+    """A flag the family would ignore (and the CLI would still name the bundle after, `-int4`) is an error."""
+    name = family.name
+    if opts.max_batch > 1 and not family.batching:
+        raise ExportError(
+            f"--max-batch {opts.max_batch}: a {name} bundle has no batched decode step "
+            f"(only {taking(lambda f: f.batching)} bundles take --max-batch > 1)"
+        )
+    if opts.quant != "none" and not family.quant_modules:
+        raise ExportError(
+            f"--quant {opts.quant}: a {name} bundle has no quantised path (only "
+            f"{taking(lambda f: bool(f.quant_modules))} bundles take --quant)"
+        )
+    if opts.max_streams is not None and not family.streams:
+        raise ExportError(
+            f"--max-streams: a {name} bundle has no stream slots (only {taking(lambda f: f.streams)} bundles take it)"
+        )
 
 
 def build_bundle(
@@ -288,119 +296,139 @@ def build_bundle(
     tokenizer (as `meta["tokenizer"]`) and the manifest into a staging directory, run every method against
     eager, then publish. `family_key` is what the family's compiled code depends on beyond the pipeline (its
     sources, its switches), hashed into the cache key; `weights_filter(method, fqn)` may drop weights a method
-    does not use."""
-    out, dtype = absolute_destination(Path(out)), DTYPES[opts.dtype]
-    plans = list(plans)  # a plan that falls back is replaced here, not in the caller's list
-    cache = CompileCache(opts.cache_root / "compiled")
-    digests = DigestCache(opts.cache_root / "digests.json")
-    report = ExportReport()
-
-    unknown = sorted(set(opts.max_autotune) - {p.name for p in plans})
-    if unknown:
-        raise ExportError(
-            f"--max-autotune {','.join(unknown)}: no such method (these are: {', '.join(p.name for p in plans)})"
-        )
-
-    def plan_key(plan: MethodPlan) -> str:
-        return cache_key(model, source, opts, plan.name, {**(family_key or {}), **plan.key_extra})
-
-    inputs = inputs_key({p.name: plan_key(p) for p in plans}, meta, tokenizer_path, opts)
-    if up_to_date(out, inputs, digests):
-        report.up_to_date = True
-        return report
+    does not use. `opts.cancel` is checked between methods and before publishing."""
+    out = absolute_destination(Path(out))
+    methods = MethodCompiler(model, list(plans), source, opts, family_key or {}, progress)
+    inputs = inputs_key({p.name: methods.key(p) for p in methods.plans}, meta, tokenizer_path, opts)
+    if up_to_date(out, inputs, methods.digests):
+        return ExportReport(up_to_date=True)
     check_destination(out, merge=opts.force)  # before minutes of compiling: nothing of the user's is replaced
     stage = make_stage(out)
     try:
-        check_free_space(
-            stage, out, bytes_needed(plans, weights_filter), "the bundle (its weights and compiled methods)"
-        )
-        debug_dir = stage / "debug" if opts.debug else None
-        written: dict[str, set[str]] = {}  # weights file -> its FQNs
-
-        def fetch_or_compile(plan: MethodPlan) -> bool:
-            """The method's `.so` into the stage, from the compile cache or compiled (then cached): whether cached."""
-            key = plan_key(plan)  # a fallback has its own key, under the same method name
-            so = stage / f"{plan.name}.so"
-            sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
-            if cache.fetch(key, plan.name, so, sources):
-                return True
-            if progress:
-                progress(plan.name, "compiling")
-            with tempfile.TemporaryDirectory(dir=stage) as work:
-                shutil.copyfile(compile_method(plan, opts, Path(work), debug_dir), so)
-            release_compile_copies()
-            if plan.release is not None:
-                plan.release()
-            cache.store(key, plan.name, so, sources)
-            return False
-
-        for i, plan in enumerate(plans):
-            t0 = time.perf_counter()
-            try:
-                report.cached[plan.name] = fetch_or_compile(plan)
-            except Exception as e:
-                # torch's archive writer reports a full disk as a bad position, hence the free space too
-                free = free_bytes(stage)
-                if disk_full(e) or free < COMPILE_ALLOWANCE:
-                    raise ExportError(
-                        f"{plan.name}: No space left on device while it was compiled or copied into the bundle "
-                        f"({size_text(free)} free now beside {out}); free some space or choose another --out"
-                    ) from e
-                if plan.fallback is None or TERMINATING.is_set():
-                    raise
-                why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-                log.warning("%s did not compile (%s); compiling its fallback", plan.name, why)
-                if progress:
-                    progress(plan.name, f"did not compile ({why}); compiling the fallback")
-                report.fallbacks[plan.name] = why
-                plan = plans[i] = plan.fallback
-                report.cached[plan.name] = fetch_or_compile(plan)
-            report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
-            write_weights(plan, stage, written, weights_filter)
-            if progress:
-                done = "cached" if report.cached[plan.name] else f"compiled in {report.compile_seconds[plan.name]:.1f}s"
-                progress(plan.name, done)
+        needed = bytes_needed(methods.plans, weights_filter)
+        check_free_space(stage, out, needed, "the bundle (its weights and compiled methods)")
+        methods.compile_all(stage, out, weights_filter)
         shutil.copyfile(tokenizer_path, stage / meta["tokenizer"])
-
-        # One mode for everything, on purpose: a bundle is code and data to share, readable by all and written by
-        # its owner (safetensors writes weights 0600, the rest came out 0644). Before hashing: chmod changes ctime,
-        # which the digest cache's key holds.
-        for p in (stage, *stage.rglob("*")):
-            p.chmod(0o755 if p.is_dir() else 0o644)
-        files = sorted(p.name for p in stage.iterdir() if p.is_file())
-        if progress:  # tens of seconds for a large model's weights (the 24B's 48.5 GB)
-            size = sum((stage / f).stat().st_size for f in files)
-            progress("all", f"hashing {len(files)} files ({size / 1e9:.1f} GB) for the manifest")
-        manifest = Manifest(
-            format_version=FORMAT_VERSION,
-            torch_version=torch.__version__,
-            device=opts.device,
-            gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
-            dtype=dtype_name(dtype),
-            model={
-                **meta,
-                "compile_seconds": report.compile_seconds,
-                "compile_cached": report.cached,
-                # a bundle with a fallback records no inputs: the next export tries the plan's own compile again
-                **({"fallbacks": report.fallbacks} if report.fallbacks else {"inputs": inputs}),
-                **({"max_autotune": list(opts.max_autotune)} if opts.max_autotune else {}),
-            },
-            methods={p.name: p.spec for p in plans},
-            files=file_entries(stage, files, digests=digests),
-            created_by=f"runner {__version__}",
-        )
-        write_manifest(stage, manifest)
+        write_manifest(stage, bundle_manifest(stage, meta, inputs, methods, progress))
         if opts.check:
             if progress:
                 progress("all", "checking against eager")
-            report.max_error = check_bundle(stage, plans, model, dtype, opts.device, opts.cache_dir, progress)
+            dtype = DTYPES[opts.dtype]
+            methods.report.max_error = check_bundle(
+                stage, methods.plans, model, dtype, opts.device, opts.cache_dir, progress
+            )
+        opts.cancel.check()  # a stop requested meanwhile: nothing is published
         kept = publish(stage, out, merge=opts.force)
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    return report
+    return methods.report
+
+
+class MethodCompiler:
+    """Each method's `.so` into a staging directory, from the compile cache or compiled (then cached), its
+    weights beside it; a plan whose compile fails is replaced by its fallback, and the report says why."""
+
+    def __init__(self, model, plans: list[MethodPlan], source, opts: ExportOptions, family_key: dict, progress):
+        unknown = sorted(set(opts.max_autotune) - {p.name for p in plans})
+        if unknown:
+            raise ExportError(
+                f"--max-autotune {','.join(unknown)}: no such method (these are: {', '.join(p.name for p in plans)})"
+            )
+        self.model, self.plans, self.source, self.opts = model, plans, source, opts
+        self.family_key, self.progress = family_key, progress
+        self.cache = CompileCache(opts.cache_root / "compiled")
+        self.digests = DigestCache(opts.cache_root / "digests.json")
+        self.report = ExportReport()
+
+    def key(self, plan: MethodPlan) -> str:
+        return cache_key(self.model, self.source, self.opts, plan.name, {**self.family_key, **plan.key_extra})
+
+    def compile_all(self, stage: Path, out: Path, weights_filter) -> None:
+        debug_dir = stage / "debug" if self.opts.debug else None
+        written: dict[str, set[str]] = {}  # weights file -> its FQNs
+        for i, plan in enumerate(self.plans):
+            self.opts.cancel.check()
+            t0 = time.perf_counter()
+            try:
+                self.report.cached[plan.name] = self.fetch_or_compile(plan, stage, debug_dir)
+            except Exception as e:
+                plan = self.plans[i] = self.fallback_for(plan, e, stage, out)
+                self.report.cached[plan.name] = self.fetch_or_compile(plan, stage, debug_dir)
+            self.report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
+            write_weights(plan, stage, written, weights_filter)
+            if self.progress:
+                seconds = self.report.compile_seconds[plan.name]
+                self.progress(plan.name, "cached" if self.report.cached[plan.name] else f"compiled in {seconds:.1f}s")
+
+    def fetch_or_compile(self, plan: MethodPlan, stage: Path, debug_dir: Path | None) -> bool:
+        """The method's `.so` into the stage, from the compile cache or compiled (then cached): whether cached."""
+        key = self.key(plan)  # a fallback has its own key, under the same method name
+        so = stage / f"{plan.name}.so"
+        sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
+        if self.cache.fetch(key, plan.name, so, sources):
+            return True
+        if self.progress:
+            self.progress(plan.name, "compiling")
+        with tempfile.TemporaryDirectory(dir=stage) as work:
+            shutil.copyfile(compile_method(plan, self.opts, Path(work), debug_dir), so)
+        release_compile_copies()
+        if plan.release is not None:
+            plan.release()
+        self.cache.store(key, plan.name, so, sources)
+        return False
+
+    def fallback_for(self, plan: MethodPlan, e: Exception, stage: Path, out: Path) -> MethodPlan:
+        """The plan to compile after `plan`'s compile raised `e`, or `e` again: a full disk, no fallback, or a
+        stop requested (whatever then unwinds is the stop's, not a compile to recover from)."""
+        free = free_bytes(stage)  # torch's archive writer reports a full disk as a bad position, hence the space
+        if disk_full(e) or free < COMPILE_ALLOWANCE:
+            raise ExportError(
+                f"{plan.name}: No space left on device while it was compiled or copied into the bundle "
+                f"({size_text(free)} free now beside {out}); free some space or choose another --out"
+            ) from e
+        if plan.fallback is None or self.opts.cancel.requested:
+            raise e
+        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        log.warning("%s did not compile (%s); compiling its fallback", plan.name, why)
+        if self.progress:
+            self.progress(plan.name, f"did not compile ({why}); compiling the fallback")
+        self.report.fallbacks[plan.name] = why
+        return plan.fallback
+
+
+def bundle_manifest(stage: Path, meta: dict, inputs: str, methods: MethodCompiler, progress) -> Manifest:
+    """The manifest of the files in the stage, each made readable by all first."""
+    # One mode for everything, on purpose: a bundle is code and data to share, readable by all and written by
+    # its owner (safetensors writes weights 0600). Before hashing: chmod changes ctime, which the digest cache's
+    # key holds.
+    for p in (stage, *stage.rglob("*")):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    files = sorted(p.name for p in stage.iterdir() if p.is_file())
+    if progress:  # a large model's weights take a while
+        size = sum((stage / f).stat().st_size for f in files)
+        progress("all", f"hashing {len(files)} files ({size / 1e9:.1f} GB) for the manifest")
+    opts, report = methods.opts, methods.report
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        torch_version=torch.__version__,
+        device=opts.device,
+        gpu_arch=_gpu_arch() if opts.device == "cuda" else None,
+        dtype=dtype_name(DTYPES[opts.dtype]),
+        model={
+            **meta,
+            "compile_seconds": report.compile_seconds,
+            "compile_cached": report.cached,
+            # a bundle with a fallback records no inputs: the next export tries the plan's own compile again
+            **({"fallbacks": report.fallbacks} if report.fallbacks else {"inputs": inputs}),
+            **({"max_autotune": list(opts.max_autotune)} if opts.max_autotune else {}),
+        },
+        methods={p.name: p.spec for p in methods.plans},
+        files=file_entries(stage, files, digests=methods.digests),
+        created_by=f"runner {__version__}",
+    )
 
 
 def inputs_key(keys: dict[str, str], meta: dict, tokenizer_path: Path, opts: ExportOptions) -> str:

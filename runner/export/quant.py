@@ -24,21 +24,11 @@ import torch
 from torch import nn
 
 from runner.errors import ExportError
+from runner.export.registry import ExportFamily
 from runner.models.quant_linear import LAYOUT, QuantLinear, check_shape, pack, quantized_names, swap_module
 
 GROUP_SIZE = 128
 LEVELS = 15  # codes 0..15
-# Per family, the modules `--quant int4` replaces (fnmatch patterns over the model's module names).
-PATTERNS = {
-    "voxtral": ["language_model.model.layers.*", "language_model.lm_head"],
-    "whisper": [
-        "decoder.layers.*.self_attn.*",
-        "decoder.layers.*.encoder_attn.q_proj",
-        "decoder.layers.*.encoder_attn.out_proj",
-        "decoder.layers.*.fc1",
-        "decoder.layers.*.fc2",
-    ],
-}
 
 
 def quantize(w: torch.Tensor, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,17 +56,17 @@ def quantize_linear(lin: nn.Linear, group_size: int = GROUP_SIZE) -> QuantLinear
     return out
 
 
-def apply_quant(model: nn.Module, family: str, quant: str, group_size: int = GROUP_SIZE) -> dict | None:
-    """Quantise the family's decoder linears in place (`quant` "int4"; "none" leaves the model as it is) and
-    return the manifest's `quant` record, which the eager reference rebuilds the layout from."""
+def apply_quant(model: nn.Module, family: ExportFamily, quant: str, group_size: int = GROUP_SIZE) -> dict | None:
+    """Quantise the family's decoder linears (its `quant_modules`) in place (`quant` "int4"; "none" leaves the
+    model as it is) and return the manifest's `quant` record, which the eager reference rebuilds the layout from."""
     if quant == "none":
         return None
     if quant != "int4":
         raise ExportError(f"--quant {quant}: choose from none, int4")
-    patterns = PATTERNS[family]
+    patterns = list(family.quant_modules)
     names = quantized_names(model, patterns)
     if not names:
-        raise ExportError(f"--quant int4: no linear layer of the {family} model matches {patterns}")
+        raise ExportError(f"--quant int4: no linear layer of the {family.name} model matches {patterns}")
     for name in names:
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):

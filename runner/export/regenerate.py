@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 from runner.bundle import Manifest, missing_weights, read_manifest
 from runner.digests import sha256_file
 from runner.errors import BundleError, RunnerError
-from runner.export.checkpoint import generator_id, random_model
+from runner.export import registry
+from runner.export.checkpoint import generator_id
 from runner.export.methods import method_weights
 from runner.export.pipeline import ExportOptions, prepare
 from runner.export.quant import apply_quant
-from runner.families.voxtral import NAME as VOXTRAL
 from runner.models.quant_linear import check_layout
 
 RANDOM_INIT = "random-init"  # ModelSource.kind of random_model's weights
@@ -38,7 +38,7 @@ def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:
     missing = missing_weights(bundle_dir, manifest)
     if not missing:
         return []
-    _check_can_regenerate(bundle_dir, manifest)
+    family = _check_can_regenerate(bundle_dir, manifest)
     source, meta = manifest.model["source"], manifest.model
     quant = meta.get("quant")  # an int4 bundle's weights are the drawn model quantised as its record says
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[manifest.dtype]
@@ -52,20 +52,19 @@ def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:
     )
     if progress:
         progress("weights", f"drawing {source['name']} (seed {source['seed']}) on {manifest.device}")
-    model, drawn = random_model(source["name"], source["seed"], torch.bfloat16 if dtype == "bf16" else torch.float32,
-                                manifest.device)  # fmt: skip
+    model, drawn = family.redraw.random_model(
+        source["name"], source["seed"], torch.bfloat16 if dtype == "bf16" else torch.float32, manifest.device
+    )
     if drawn.weights_digest != source["weights_digest"]:
         raise RunnerError(
             f"{bundle_dir}: the preset {source['name']!r} is not the one this bundle was made from (its config "
             "changed since); export it again"
         )
-    from runner.export.voxtral import plan_methods  # the family's methods give each weight file's tensors
-
-    model, _ = prepare(model, drawn, opts, VOXTRAL)
+    model, _ = prepare(model, drawn, opts, family)
     if quant:
-        apply_quant(model, VOXTRAL, quant["scheme"], quant["group_size"])
+        apply_quant(model, family, quant["scheme"], quant["group_size"])
     tensors = {}
-    for plan in plan_methods(model, opts):
+    for plan in family.redraw.plan_methods(model, opts):  # the family's methods give each weight file's tensors
         tensors.setdefault(plan.spec.weights, method_weights(plan))
     written = []
     for name in missing:
@@ -88,7 +87,7 @@ def regenerate(bundle_dir: str | os.PathLike, progress=None) -> list[str]:
     return written
 
 
-def _check_can_regenerate(bundle_dir: Path, manifest: Manifest) -> None:
+def _check_can_regenerate(bundle_dir: Path, manifest: Manifest) -> registry.ExportFamily:
     source = manifest.model.get("source") if isinstance(manifest.model, dict) else None
     if not isinstance(source, dict) or source.get("kind") != RANDOM_INIT:
         kind = source.get("kind") if isinstance(source, dict) else None
@@ -96,8 +95,12 @@ def _check_can_regenerate(bundle_dir: Path, manifest: Manifest) -> None:
             f"{bundle_dir}: weights missing, and they come from {kind or 'an unknown source'}, not random init: "
             "only random-init weights can be drawn again; fetch the bundle with its weights"
         )
-    if manifest.model.get("family", VOXTRAL) != VOXTRAL:
-        raise RunnerError(f"{bundle_dir}: regenerating weights is for Voxtral bundles, not {manifest.model['family']}")
+    family = registry.family(manifest.model["family"])
+    if family.redraw is None:
+        raise RunnerError(
+            f"{bundle_dir}: the weights of a {family.name} bundle cannot be drawn again (only "
+            f"{registry.taking(lambda f: f.redraw is not None)} bundles'); fetch the bundle with its weights"
+        )
     made_by, here = source.get("generator"), generator_id(manifest.device)
     if made_by != here:
         raise RunnerError(
@@ -112,3 +115,4 @@ def _check_can_regenerate(bundle_dir: Path, manifest: Manifest) -> None:
             raise RunnerError(f"{bundle_dir}: {e}") from None
     if manifest.device == "cuda" and not torch.cuda.is_available():
         raise RunnerError(f"{bundle_dir}: its weights were drawn on CUDA; this machine has no CUDA device")
+    return family

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # Per-dtype tolerance, relative to the reference's largest magnitude. bf16's is wide because two bf16 computations of
 # a deep random-init decoder (Inductor's fused kernels, eager's) part by rounding that grows with depth and width
-# (the 24B's: 6.3e-2, benchmarks/NOTES.md 65); what the check is for (a layout, a position, a missing op) is off by
+# (the largest presets' come near it); what the check is for (a layout, a position, a missing op) is off by
 # the output's own scale.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1}
 # Besides the weights, what loading the bundle allocates on the device (the KV cache, the warm-up's activations).

@@ -13,25 +13,41 @@ from torch import nn
 from torch.export import Dim
 
 from runner.audio import CHUNK_LENGTH, MIN_ANSWER_ROOM, N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK, context_for
-from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX, StateSpec
-from runner.errors import ExportError
-from runner.export.checkpoint import ModelSource
-from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
+from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX, METHOD_NAMES, StateSpec
+from runner.errors import ExportError, RunnerError
+from runner.export.checkpoint import (
+    FIXTURES,
+    TINY_CHECKPOINT,
+    ModelSource,
+    load_checkpoint,
+    random_model,
+    write_tiny_checkpoint,
+)
+from runner.export.methods import (
+    MethodPlan,
+    TracedSlots,
+    dim,
+    dtype_name,
+    kv_cache_state,
+    method_spec,
+    preprocessor_plan,
+)
 from runner.export.pipeline import (
     DTYPES,
     ExportOptions,
     ExportReport,
     build_bundle,
-    free_storage,
     prepare,
     source_digest,
 )
 from runner.export.quant import apply_quant
+from runner.export.registry import ExportFamily, Loaded, LoadRequest, Redraw, register
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import voxtral
 from runner.models.quant_linear import QuantLinear
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_batch import BatchDecoder, SlotCaches
+from runner.models.voxtral_config import PRESETS
 
 # Hashed into the compile-cache key beside the pipeline's own sources: editing these must recompile.
 SOURCE_FILES = (
@@ -47,6 +63,9 @@ SOURCE_FILES = (
     "export/quant.py",
     "models/quant_linear.py",
 )
+# What `--quant int4` replaces: the decoder's linear layers (fnmatch patterns over the model's module names).
+QUANT_MODULES = ("language_model.model.layers.*", "language_model.lm_head")
+SEEDED_PRESET = "tiny"  # its weights are seeded, written once as a real checkpoint and loaded through the loader
 
 
 def plan_methods(model: Voxtral, opts: ExportOptions) -> list[MethodPlan]:
@@ -113,7 +132,7 @@ def encoder_plan(model: Voxtral, opts: ExportOptions, written_out: nn.Module, me
 def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference: nn.Module) -> MethodPlan:
     """text_decoder: a prompt into an empty cache, attending to the prompt alone, so the cost follows the prompt,
     not the cache. On CUDA through the Triton flash attention and SiLU · up (torch 2.11 CUDA could not export the
-    written-out prompt-only form for a dynamic length, benchmarks/NOTES.md item 32), with the whole-cache decoder as its
+    written-out prompt-only form for a dynamic length), with the whole-cache decoder as its
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
     with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
     An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA."""
@@ -179,23 +198,6 @@ def step_plan(model: Voxtral, opts: ExportOptions, state, emb, reference: nn.Mod
     return plan
 
 
-class TracedSlots:
-    """The modules a batched step was traced over. Their slot caches (max_batch rows of the whole context: 39 GB
-    at 32 slots of 10240 positions on the 3B) outlive the trace (torch keeps it), so they are freed once the step is
-    compiled; the eager model's caches, which the modules reach through its layers, are not theirs to free."""
-
-    def __init__(self):
-        self.modules: list[nn.Module] = []
-
-    def slot_buffers(self) -> list[torch.Tensor]:
-        return [b for m in self.modules for n, b in m.named_buffers() if n.startswith(BATCH_STATE_PREFIX)]
-
-    def release(self) -> None:
-        for buf in self.slot_buffers():
-            free_storage(buf)
-        self.modules.clear()
-
-
 CHECK_SLOTS = 2  # the eager model's slots for the self-check: batches of 1 and 2, rows at other positions
 
 
@@ -218,11 +220,11 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         if k.startswith(BATCH_STATE_PREFIX)
     }
 
-    traced = TracedSlots()
+    traced = TracedSlots(BATCH_STATE_PREFIX)  # the slot caches (max_batch rows of the whole context)
 
     def export(attend=None):
-        module = BatchDecoder(c, model.language_model, SlotCaches(c, n, opts.max_seq_len, dtype, dev), attend)
-        traced.modules.append(module)
+        caches = SlotCaches(c, n, opts.max_seq_len, dtype, dev)
+        module = traced.add(BatchDecoder(c, model.language_model, caches, attend))
         b = Dim("batch", min=1, max=n)
         # 2 rows: 1 would specialise B; size-oblivious tracing keeps the program general where the trace would
         # guard on B != 1 (as the realtime steps and the mel's chunk dim)
@@ -306,9 +308,9 @@ def export_voxtral(
             f"{tekken_path}: {tok.vocab_size} tokens do not fit the model's vocab ({model.config.text.vocab_size})"
         )
 
-    model, meta = prepare(model, source, opts, NAME)
+    model, meta = prepare(model, source, opts, EXPORT)
     meta |= {
-        "quant": apply_quant(model, NAME, opts.quant),  # before planning: every method sees the int4 layers
+        "quant": apply_quant(model, EXPORT, opts.quant),  # before planning: every method sees the int4 layers
         "max_audio_chunks": K,
         "tokens_per_chunk": TOKENS_PER_CHUNK,
         "capacity": capacity(K, S),
@@ -336,3 +338,35 @@ def capacity(chunks: int, max_seq_len: int) -> dict:
 def family_key(opts: ExportOptions) -> dict:
     """What Voxtral's compiled methods depend on beyond the pipeline: its sources and whether the kernels wait."""
     return {"sources": source_digest(SOURCE_FILES), "pdl": decode_kernels_wait(opts.device, opts.pdl)}
+
+
+def load(request: LoadRequest) -> Loaded:
+    """A checkpoint directory (with its tekken.json), a preset with --random-init, or the seeded tiny preset."""
+    if request.checkpoint is not None:
+        model, source, tokenizer = load_checkpoint(request.checkpoint)
+        return Loaded(request.checkpoint.resolve().name, model, source, tokenizer)
+    name = request.preset
+    if request.random_init:
+        model, source = random_model(name, request.seed, DTYPES[request.dtype], request.device)
+        return Loaded(name, model, source, FIXTURES / "tekken.json")
+    if name == SEEDED_PRESET:
+        ckpt = write_tiny_checkpoint(Path(request.cache_dir) / "checkpoints" / TINY_CHECKPOINT.name)
+        model, source, tokenizer = load_checkpoint(ckpt)
+        return Loaded(name, model, source, tokenizer)
+    raise RunnerError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
+
+
+EXPORT = register(
+    ExportFamily(
+        NAME,
+        presets=tuple(PRESETS),
+        load=load,
+        export=export_voxtral,
+        methods=METHOD_NAMES,
+        bundle_prefix="voxtral-",
+        any_checkpoint=True,
+        batching=True,
+        quant_modules=QUANT_MODULES,
+        redraw=Redraw(random_model, plan_methods),
+    )
+)

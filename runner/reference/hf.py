@@ -10,7 +10,7 @@ import torch
 from runner.bundle import Manifest
 from runner.errors import RunnerError
 from runner.families.voxtral import Tekken
-from runner.runtime.engine import decode_token
+from runner.runtime.engine import Engine
 
 
 def hf_config(manifest: Manifest, tok: Tekken):
@@ -73,13 +73,14 @@ def to_hf_keys(state: dict[str, torch.Tensor], hf_keys: set[str]) -> dict[str, t
     raise RunnerError(f"transformers' Voxtral names its weights differently from the bundle's (e.g. {missing[:3]})")
 
 
-class HFEngine:
+class HFEngine(Engine):
     """transformers' model behind the Engine calls bench_methods makes (no preprocess: HF's feature extractor
     is numpy; the features come from our eager mel). Its cache grows, so the decode step rewinds it."""
 
     def __init__(self, model, device: str, encoder_dtype: torch.dtype):
         from transformers import DynamicCache
 
+        super().__init__()
         self.model, self.device, self.encoder_dtype, self._cache_cls = model, device, encoder_dtype, DynamicCache
         # transformers 5.2x renamed past_key_values to cache (the old name warns): use whichever forward takes
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -88,7 +89,7 @@ class HFEngine:
     @torch.inference_mode()
     def encode(self, mel):
         out = self.model.get_audio_features(mel)
-        return getattr(out, "pooler_output", out)[None]  # 5.x returns an output object, older releases a tensor
+        return (out if isinstance(out, torch.Tensor) else out.pooler_output)[None]  # 5.x: an output object
 
     @torch.inference_mode()
     def embed(self, ids):
@@ -99,13 +100,10 @@ class HFEngine:
         out = self.model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{self._cache_kw: self.cache})
         return out.logits[:, -1].float()
 
-    def decode_token(self, token, pos):
-        return decode_token(self, token, pos)
-
     def reset(self):
         self.cache = self._cache_cls()
 
-    def rewind(self, n: int):
-        extra = self.cache.get_seq_length() - n
+    def rewind(self, length: int):
+        extra = self.cache.get_seq_length() - length
         if extra > 0:
             self.cache.crop(-extra)  # a negative crop drops that many positions (5.2x refuses positive ones)

@@ -3,7 +3,7 @@ tokens we generated, each window's prompt and answer in one decoder call, and ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -22,7 +22,7 @@ class ReferenceReport:
     ok: bool
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return asdict(self)
 
 
 def compare_with_reference(

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 from runner.bundle import Manifest
+from runner.dtypes import torch_dtype
 from runner.models import voxtral
 from runner.models.quant_linear import use_quant_layout
 from runner.models.state import empty_model, load_state
@@ -22,13 +22,13 @@ def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtra
     """The eager model with exactly the bundle's weights (for `--reference eager` and benchmarks): the weight
     files are keyed by each exported method's FQNs; map them back onto the full model."""
     config = VoxtralConfig.from_dict(manifest.model["config"])
-    dtype = getattr(torch, manifest.dtype)
+    dtype = torch_dtype(manifest.dtype)
     prefix = {"audio_encoder": "", "token_embedding": "language_model.model.", "text_decoder": "language_model.model."}
     state = {}
     for method, pre in prefix.items():
         for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
             state["language_model." + k if k.startswith("lm_head.") else pre + k] = v
-    model = empty_model(lambda: Voxtral(config))  # no host-side fp32 copy: a 3B model would cost minutes and 19 GB
+    model = empty_model(lambda: Voxtral(config))  # no host-side fp32 copy of a large model
     if quant := manifest.model.get("quant"):  # an int4 bundle: its linears as QuantLinear (packed codes, scales)
         use_quant_layout(model, quant)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -54,7 +54,7 @@ def eager_engine(bundle_dir: Path, manifest: Manifest, device: str | None = None
         device=device,
         max_seq_len=manifest.model["max_seq_len"],
         max_audio_chunks=manifest.model["max_audio_chunks"],
-        encoder_dtype=getattr(torch, manifest.dtype),
+        encoder_dtype=torch_dtype(manifest.dtype),
         reset=model.reset_caches,
         batch=batch,
         slots=slots,

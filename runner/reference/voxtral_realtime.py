@@ -9,12 +9,14 @@ import torch
 from safetensors.torch import load_file
 
 from runner.bundle import Manifest
+from runner.dtypes import torch_dtype
+from runner.families.voxtral_realtime.session import Steps
 from runner.models.state import load_state
 from runner.models.voxtral_realtime import DecoderStep, EncoderStep, StreamingLogMel, VoxtralRealtime
 from runner.models.voxtral_realtime_config import RealtimeConfig
 
 
-class EagerSteps:
+class EagerSteps(Steps):
     def __init__(self, model: VoxtralRealtime, device: str = "cpu"):
         self.model, self.device = model, device
         self.preprocessor = StreamingLogMel(model.config.audio.n_mels).to(device)
@@ -49,7 +51,7 @@ def model_from_bundle(bundle_dir: Path, manifest: Manifest, device: str = "cpu",
         state.update(load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device))
     model = VoxtralRealtime(config)
     load_state(model, state, source=str(bundle_dir))
-    model = model.to(device=device, dtype=getattr(torch, manifest.dtype)).eval()
+    model = model.to(device=device, dtype=torch_dtype(manifest.dtype)).eval()
     model.setup_caches(streams=streams)
     return model
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from runner.bundle import Manifest
+from runner.dtypes import torch_dtype
 from runner.models import whisper
 from runner.models.quant_linear import use_quant_layout
 from runner.models.state import empty_model, load_state
@@ -18,7 +19,7 @@ from runner.reference.engine import EagerEngine
 def whisper_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Whisper:
     """The eager Whisper with exactly the bundle's weights, mapped back from each method's FQNs."""
     config = WhisperConfig.from_dict(manifest.model["config"])
-    dtype = getattr(torch, manifest.dtype)
+    dtype = torch_dtype(manifest.dtype)
     state: dict[str, torch.Tensor] = {}
     files = {m: load_file(str(Path(bundle_dir) / manifest.methods[m].weights), device=device) for m in manifest.methods}
     for k, v in files["audio_encoder"].items():

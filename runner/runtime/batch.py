@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.errors import AudioError, GenerationError, TokenizerError
-from runner.runtime.engine import NON_FINITE_FEATURES, BatchEngine, check_features, to_encoder_dtype
+from runner.runtime.engine import NON_FINITE_FEATURES, Engine, to_encoder_dtype
 from runner.runtime.generate import (
     AudioSegment,
     EncodedAudio,
@@ -36,7 +36,7 @@ from runner.runtime.generate import (
     audio_seconds,
 )
 from runner.runtime.results import join_results, window_result
-from runner.runtime.staging import wave_on_device
+from runner.runtime.waveform import wave_on_device
 from runner.stats import Stats, now_ms
 
 # a job's own fault: its error record, and the other jobs go on
@@ -74,7 +74,7 @@ def generate_many(
         return
     if on_text is not None:
         raise GenerationError(f"--batch {batch}: texts are not streamed while several files decode at once")
-    slots = getattr(runner.engine, "max_batch", 1)
+    slots = runner.engine.max_batch
     if batch > slots:
         exported = f"exported with --max-batch {slots}" if slots > 1 else "exported without --max-batch"
         raise GenerationError(
@@ -99,7 +99,7 @@ def _serial(
 
 
 @dataclass
-class _Work:
+class _JobProgress:
     """A job in progress: its windows' results so far."""
 
     job: Job
@@ -113,7 +113,7 @@ class _Work:
 class _Sequence:
     """One prompt window in flight in a slot: its tokens, next position, cap and sampler."""
 
-    work: _Work
+    progress: _JobProgress
     prompt_ids: list[int]
     stats: Stats
     sampler: Sampler
@@ -143,11 +143,14 @@ class _Sequence:
 
 
 class _Batcher:
+    """Continuous batching: prompts queued for free slots, prefilled at batch 1 and admitted, then every slot in
+    use decoded in one batched step, each finished sequence's slot taken by the next prompt."""
+
     def __init__(self, runner: MultimodalRunner, opts: GenerationOptions, batch: int):
         self.runner, self.opts = runner, opts
-        self.e: BatchEngine = runner.engine
+        self.e: Engine = runner.engine
         self.slots: list[_Sequence | None] = [None] * batch
-        self.queue: deque[tuple[_Work, int]] = deque()  # (job, window index) ready to prefill
+        self.queue: deque[tuple[_JobProgress, int]] = deque()  # (job, window index) ready to prefill
         self.done: list[JobResult] = []
 
     def run(self, jobs: Iterator[Job]) -> Iterator[JobResult]:
@@ -161,11 +164,11 @@ class _Batcher:
                 elif not job.windows:
                     self.done.append(JobResult(job, None, GenerationError("empty prompt: nothing to prefill")))
                 else:
-                    self.queue.append((_Work(job), 0))
+                    self.queue.append((_JobProgress(job), 0))
             admitting = [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
             start = now_ms()  # each one's TTFT counts the shared encoder call
-            for (work, _), window in zip(admitting, self._encode([w.job.windows[i] for w, i in admitting])):
-                self._admit(work, window, start)
+            for (progress, _), window in zip(admitting, self._encode([w.job.windows[i] for w, i in admitting])):
+                self._admit(progress, window, start)
             yield from self._drain()
             if not any(self.slots):
                 if not self.queue and not pending:
@@ -190,7 +193,7 @@ class _Batcher:
             try:
                 for j, seg in enumerate(window):
                     if isinstance(seg, AudioSegment) and seg.window is None:
-                        wave = wave_on_device(seg.samples, e.max_audio_chunks, e.device, getattr(e, "staging", None))
+                        wave = wave_on_device(seg.samples, e.max_audio_chunks, e.device, e.pinned)
                         mel = e.preprocess(wave)
                         if not bool(torch.isfinite(mel).all()):  # this file's fault, found before its prefill
                             raise AudioError(NON_FINITE_FEATURES)
@@ -218,14 +221,14 @@ class _Batcher:
             at += n
         return out
 
-    def _admit(self, work: _Work, window: Prompt | Exception, start: float) -> None:
+    def _admit(self, progress: _JobProgress, window: Prompt | Exception, start: float) -> None:
         """Prefill one window of the job at batch 1 (its audio already encoded) and take its first token; a
         sequence not done at once moves into the lowest free slot."""
         e, opts = self.e, self.opts
         if isinstance(window, Exception):
-            self.done.append(JobResult(work.job, None, window))
+            self.done.append(JobResult(progress.job, None, window))
             return
-        stats = work.stats()
+        stats = progress.stats()
         stats.audio_seconds = audio_seconds(window)
         e.reset()  # the prefill's cache starts empty; the slots keep the sequences in flight
         stats.inference_start_ms = start  # TTFT is measured from here: the job's own encoder call
@@ -234,7 +237,7 @@ class _Batcher:
             stats.prompt_eval_end_ms = now_ms()
             stats.prompt_tokens = len(prompt_ids)
             seq = _Sequence(
-                work,
+                progress,
                 prompt_ids,
                 stats,
                 Sampler(opts, e.device),
@@ -244,9 +247,9 @@ class _Batcher:
             token = int(seq.sampler(logits))
             stats.aggregate_sampling_time_ms += now_ms() - t0
             stats.first_token_ms = now_ms()
-            check_features(e)  # audio the prefill encoded itself (encoded audio was checked in _encode)
+            e.check_features()  # audio the prefill encoded itself (encoded audio was checked in _encode)
         except JOB_ERRORS as err:
-            self.done.append(JobResult(work.job, None, err))
+            self.done.append(JobResult(progress.job, None, err))
             return
         kept = logits.to(torch.float32, copy=True).cpu() if opts.record_logits else None
         if seq.take(token, self.runner.tok.eos_id, opts, e.max_seq_len, kept):
@@ -284,10 +287,10 @@ class _Batcher:
 
     def _finish(self, seq: _Sequence) -> None:
         """A window is done: its result; the job's next window queued first, or the job's joined result."""
-        work = seq.work
+        progress = seq.progress
         r = window_result(self.runner.tok, seq.prompt_ids, seq.tokens, seq.stop, seq.stats, seq.logits, self.e.device)
-        work.results.append(r)
-        if len(work.results) < len(work.job.windows):
-            self.queue.appendleft((work, len(work.results)))
+        progress.results.append(r)
+        if len(progress.results) < len(progress.job.windows):
+            self.queue.appendleft((progress, len(progress.results)))
             return
-        self.done.append(JobResult(work.job, join_results(work.results, work.stats(), self.e.device)))
+        self.done.append(JobResult(progress.job, join_results(progress.results, progress.stats(), self.e.device)))

@@ -31,6 +31,7 @@ import torch
 
 from runner.bundle import MethodSpec, TensorSpec, safe_member
 from runner.digests import sha256_file
+from runner.dtypes import torch_dtype
 from runner.errors import DelegateError
 from runner.runtime.tensor_meta import MetaCache
 from runner.runtime.weights import load_weights
@@ -86,13 +87,6 @@ _SCALAR_TYPES = {
 }
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise DelegateError(f"unknown dtype {name!r} in the manifest")
-    return dtype
-
-
 @dataclass(eq=False)
 class Handle:
     spec: MethodSpec
@@ -139,11 +133,50 @@ def _check_not_stale(path: Path, expect: str | None = None) -> None:
 class SharedTensors:
     """What containers borrow, one copy per weights file. Methods exported from one module (text_decoder for
     prefill, text_decoder_step for decode) name the same weights file: they bind the same weights and the same
-    state, so the decode steps read the KV cache the prefill wrote, and the 7.2 GB of 3B weights load once."""
+    state, so the decode steps read the KV cache the prefill wrote, and the weights load once."""
 
     weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # by weights file
     state: dict[tuple[str | None, str], torch.Tensor] = field(default_factory=dict)  # by (weights file, FQN)
     weights_ms: float = 0.0  # reading the weights files onto the device, of the methods' init time
+
+
+def _method_weights(h: Handle, bundle_dir: Path, shared: SharedTensors) -> dict[str, torch.Tensor]:
+    """The method's weights file on its device, read once for every method that names it."""
+    if not h.spec.weights:
+        return {}
+    weights = shared.weights.get(h.spec.weights)
+    if weights is None:
+        wpath = safe_member(bundle_dir, h.spec.weights)
+        t0 = time.perf_counter()
+        try:
+            weights = load_weights(wpath, torch.device(h.device))
+        except Exception as e:  # safetensors raises its own error types for malformed files
+            raise DelegateError(f"{wpath}: cannot read weights ({e})") from None
+        shared.weights_ms += (time.perf_counter() - t0) * 1e3
+        shared.weights[h.spec.weights] = weights
+    return weights
+
+
+def _state_tensor(h: Handle, key: str, nbytes: int, shared: SharedTensors) -> torch.Tensor:
+    """The declared state `key` (zeros), one tensor for every method over the same weights file."""
+    st = h.spec.state[key]
+    t = shared.state.get((h.spec.weights, key))
+    if t is None:
+        # the size the library holds for it, checked before allocating what the manifest claims
+        size = math.prod(st.shape) * torch_dtype(st.dtype).itemsize
+        if size != nbytes:
+            raise DelegateError(
+                f"{h.spec.name}: state {key} is {st.dtype}{list(st.shape)} ({size} bytes), "
+                f"the library expects {nbytes} bytes"
+            )
+        t = torch.zeros(st.shape, dtype=torch_dtype(st.dtype), device=h.device)
+        shared.state[(h.spec.weights, key)] = t
+    elif list(t.shape) != list(st.shape) or t.dtype != torch_dtype(st.dtype):
+        raise DelegateError(
+            f"{h.spec.name}: state {key} is {st.dtype}{list(st.shape)}, another method over "
+            f"{h.spec.weights} declares {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        )
+    return t
 
 
 class AOTIBackend:
@@ -172,7 +205,7 @@ class AOTIBackend:
         for table, required in ((_REQUIRED, True), (_OPTIONAL, False)):
             for sym, argtypes in table.items():
                 try:
-                    fn = getattr(lib, sym)
+                    fn = lib[sym]
                 except AttributeError:
                     if required:
                         _ctypes.dlclose(lib._handle)
@@ -210,18 +243,7 @@ class AOTIBackend:
         return handle
 
     def _bind_constants(self, h: Handle, bundle_dir: Path, shared: SharedTensors) -> None:
-        weights = {}
-        if h.spec.weights:
-            weights = shared.weights.get(h.spec.weights)
-            if weights is None:
-                wpath = safe_member(bundle_dir, h.spec.weights)
-                t0 = time.perf_counter()
-                try:
-                    weights = load_weights(wpath, torch.device(h.device))
-                except Exception as e:  # safetensors raises its own error types for malformed files
-                    raise DelegateError(f"{wpath}: cannot read weights ({e})") from None
-                shared.weights_ms += (time.perf_counter() - t0) * 1e3
-                shared.weights[h.spec.weights] = weights
+        weights = _method_weights(h, bundle_dir, shared)
         n = _sz()
         self._call(h, "AOTInductorModelContainerGetNumConstants", h.container, ctypes.byref(n))
         names: list[bytes] = []
@@ -234,24 +256,7 @@ class AOTIBackend:
             self._call(h, "AOTInductorModelContainerGetConstantDataSize", h.container, i, ctypes.byref(nbytes))
             key = fqn.value.decode()
             if key in h.spec.state:
-                st = h.spec.state[key]
-                t = shared.state.get((h.spec.weights, key))
-                if t is None:
-                    # the size the library holds for it, checked before allocating what the manifest claims
-                    size = math.prod(st.shape) * torch_dtype(st.dtype).itemsize
-                    if size != nbytes.value:
-                        raise DelegateError(
-                            f"{h.spec.name}: state {key} is {st.dtype}{list(st.shape)} ({size} bytes), "
-                            f"the library expects {nbytes.value} bytes"
-                        )
-                    t = torch.zeros(st.shape, dtype=torch_dtype(st.dtype), device=h.device)
-                    shared.state[(h.spec.weights, key)] = t
-                elif list(t.shape) != list(st.shape) or t.dtype != torch_dtype(st.dtype):
-                    raise DelegateError(
-                        f"{h.spec.name}: state {key} is {st.dtype}{list(st.shape)}, another method over "
-                        f"{h.spec.weights} declares {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-                    )
-                h.state[key] = t
+                t = h.state[key] = _state_tensor(h, key, nbytes.value, shared)
             elif key in weights:
                 t = weights[key]
             else:
@@ -363,7 +368,7 @@ class AOTIBackend:
         first; the library goes last because Delete is its code. glibc unmaps the library at once if no thread
         has created or run a container from it. A thread that has registers AOTI's thread_local destructors, and
         glibc then keeps the library mapped for the life of the process; loading the same file again reuses
-        that mapping, so repeated loads do not grow (tests/test_delegate.py measures it)."""
+        that mapping, so repeated loads do not grow (tests/runtime/test_delegate.py measures it)."""
         if h.lib is None:
             return
         if h.stream is not None:

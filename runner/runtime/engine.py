@@ -1,5 +1,6 @@
-"""Engines: the four methods of a bundle behind one interface, so the generation loop (runner/runtime/generate.py)
-runs the exported program and the eager reference (runner/reference/) alike.
+"""Engines: the four methods of a bundle behind one interface (`Engine`, a base class with the defaults of an engine
+without a feature), so the generation loop (runner/runtime/generate.py) runs the exported program
+(`ProgramEngine`) and the eager reference (runner/reference/) alike.
 
 A family whose decoder cross-attends to the audio (Whisper) keeps the encoder's output and passes it to every
 decoder call after (embeds, cache_position); one whose audio embeddings are decoder positions (Voxtral) passes
@@ -8,52 +9,27 @@ nothing more. That is the only difference between the two kinds of engine, and i
 
 from __future__ import annotations
 
-from typing import Protocol
+import threading
 
 import numpy as np
 import torch
 
 from runner.audio import N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK
-from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX
+from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX, STEP_METHOD
+from runner.dtypes import torch_dtype
 from runner.errors import AudioError, BundleError, GenerationError
 from runner.runtime.graphs import BatchGraphs, DecodeGraph, PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Method, Program
-from runner.runtime.staging import HostStaging, wave_on_device
+from runner.runtime.waveform import PinnedHostBuffer, wave_on_device
 
 # warm_up's prefill length: a 30 s prompt's at most (Voxtral: a chunk's audio tokens and the room its text takes)
 WARM_UP_TOKENS = TOKENS_PER_CHUNK + PROMPT_ROOM
-
-
-class Engine(Protocol):
-    device: str
-    max_seq_len: int
-    max_audio_chunks: int
-    encoder_dtype: torch.dtype
-
-    def preprocess(self, wave: torch.Tensor) -> torch.Tensor: ...  # [k*480000] f32 -> mel [k, n_mels, 3000] f32
-    def encode(self, mel: torch.Tensor) -> torch.Tensor: ...  # mel (encoder dtype) -> audio embeddings / cross K/V
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [1, S] int64 -> [1, S, H]
-    def decode(self, embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # -> logits [1, V] f32
-    def reset(self) -> None: ...
-    def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor: ...  # [1,1] -> logits [1, V]
-    def run_prefill(self, compute, inputs: list[torch.Tensor]): ...  # compute(engine, *inputs), maybe graphed
-
 
 NON_FINITE_FEATURES = (
     "the audio's log-mel features are not finite (NaN or Inf): its samples are too large for the preprocessor "
     "(normalise the audio to [-1, 1])"
 )
-
-
-class BatchEngine(Engine, Protocol):
-    """An Engine that also decodes several sequences in one step (runner/runtime/batch.py): each in a slot of its
-    own KV cache, separate from the cache a prompt is prefilled into. `reset()` leaves the slots alone."""
-
-    max_batch: int  # slots; 1: no batched step
-
-    def admit(self, slot: int, length: int) -> None: ...  # the prefilled positions [0, length) -> slot's cache
-    def decode_batch(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # [B,1], [B] -> [B, V]
 
 
 class CrossAttended:
@@ -81,11 +57,77 @@ def extra_inputs(cross: CrossAttended | None) -> tuple[torch.Tensor, ...]:
     return cross.inputs() if cross is not None else ()
 
 
-class ProgramEngine:
+class Engine:
+    """A bundle's four methods behind what the generation loop (generate.py), the batch scheduler (batch.py) and
+    bench call: the exported program (ProgramEngine) and the eager reference (runner/reference/engine.py) alike.
+    A subclass gives the methods; every other member has here the default of an engine without that feature, so a
+    caller never asks whether an engine has it."""
+
+    device: str
+    max_seq_len: int
+    max_audio_chunks: int
+    encoder_dtype: torch.dtype
+    max_batch: int = 1  # sequences decode_batch decodes at once, each in a slot of its own cache; 1: none
+    # A decoder that cross-attends to the audio (Whisper) reads the encoder's output kept here after (embeds,
+    # cache_position); None: the audio embeddings take decoder positions (Voxtral).
+    cross: CrossAttended | None = None
+    pinned: PinnedHostBuffer | None = None  # the waveform's page-locked host buffer, kept (ProgramEngine on CUDA)
+    scores: bool = False  # whether score() gives the logits of every position (a compiled decoder: the last only)
+
+    def __init__(self, state_lock: threading.Lock | None = None):
+        # Held by the one caller using the KV cache (MultimodalRunner.exclusive): engines over one cache share it.
+        self.state_lock = state_lock or threading.Lock()
+
+    def preprocess(self, wave: torch.Tensor) -> torch.Tensor:  # [k*480000] f32 -> mel [k, n_mels, 3000] f32
+        raise NotImplementedError
+
+    def encode(self, mel: torch.Tensor) -> torch.Tensor:  # mel (encoder dtype) -> audio embeddings / cross K/V
+        raise NotImplementedError
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [1, S] int64 -> [1, S, H]
+        raise NotImplementedError
+
+    def decode(self, embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # -> logits [1, V] f32
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Empty the KV cache a prompt is prefilled into."""
+        raise NotImplementedError
+
+    def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:  # [1, 1] -> logits [1, V]
+        return decode_token(self, token, pos)
+
+    def run_prefill(self, compute, inputs: list[torch.Tensor]):
+        """compute(engine, *inputs): the prompt's device work, which an engine may run as a CUDA graph."""
+        return compute(self, *inputs)
+
+    def check_features(self) -> None:
+        """Raise AudioError if a feature of the prompt just prefilled was not finite (an engine that keeps no check
+        has nothing to say)."""
+
+    def score(self, embeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The logits at every position of `embeds` [1, S, H] (an engine whose `scores` is true)."""
+        raise NotImplementedError
+
+    def rewind(self, length: int) -> None:
+        """Drop the cache's positions from `length` on: a cache that grows needs it before a step is timed again;
+        a fixed one is overwritten in place."""
+
+    def admit(self, slot: int, length: int) -> None:
+        """The prompt just prefilled (positions [0, length)) into `slot`'s cache."""
+        raise GenerationError(f"{type(self).__name__}: no batched decode step")
+
+    def decode_batch(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """tokens [B, 1] int64, pos [B] int64 (row b is slot b) -> logits [B, V] float32."""
+        raise GenerationError(f"{type(self).__name__}: no batched decode step")
+
+
+class ProgramEngine(Engine):
     """A loaded Program as an Engine. On CUDA (unless options.cuda_graph is off) the decode step is a CUDA graph
     and repeated prefill shapes replay one graph each."""
 
     def __init__(self, program: Program, options: RuntimeOptions | None = None, cross_attention: bool = False):
+        super().__init__(program.state_lock)  # two engines over one Program share its KV cache
         options = options or RuntimeOptions()
         m, model = program.methods, program.manifest.model
         self.program, self.device = program, program.device
@@ -95,8 +137,8 @@ class ProgramEngine:
             m[k] for k in ("preprocessor", "audio_encoder", "token_embedding", "text_decoder")
         )
         _check_mel_bins(program, self._pre, self._enc)
-        # the decoder exported for one token (older bundles have only text_decoder, which decodes too)
-        self._step = m.get("text_decoder_step")
+        # the decoder exported for one token; a family without one decodes a token through text_decoder
+        self._step = m.get(STEP_METHOD)
         # B tokens of B sequences in one step, each in a slot of its own cache (a bundle exported with --max-batch)
         self._batch = m.get(BATCH_METHOD)
         self.max_batch = model.get("max_batch", 1) if self._batch is not None else 1
@@ -108,16 +150,14 @@ class ProgramEngine:
         if self.prefill_chunk and not model.get("prefill_pieces"):
             raise BundleError(
                 "--prefill-chunk: this bundle's text_decoder takes a prompt from position 0 only (no "
-                "model.prefill_pieces: a CPU export, a Whisper one, or a CUDA Voxtral one from before session 25); "
+                "model.prefill_pieces: a CPU export, or a Whisper one); "
                 "export it again on CUDA, or prefill in one call"
             )
-        self.cross: CrossAttended | None = None
         if cross_attention:  # graph replays read a static tensor: encode() copies each window's K/V into it
-            kv = self._enc.spec.outputs[0]
-            shape, dtype = kv.shape, getattr(torch, kv.dtype)
-            self.cross = CrossAttended(
-                torch.zeros(shape, dtype=dtype, device=self.device) if self.use_cuda_graph else None
-            )
+            kv, static = self._enc.spec.outputs[0], None
+            if self.use_cuda_graph:
+                static = torch.zeros(kv.shape, dtype=torch_dtype(kv.dtype), device=self.device)
+            self.cross = CrossAttended(static)
         self.graph: DecodeGraph | None = None
         # the bundle's decode kernels wait before reading (manifest `pdl`): their graph edges may be programmatic
         self.pdl = bool(model.get("pdl")) and self.use_cuda_graph and options.pdl
@@ -129,8 +169,8 @@ class ProgramEngine:
         # once the first token is there (check_features): by then the copy is done, and the read costs nothing.
         self._features_ok = torch.ones((), dtype=torch.bool, device=self.device)
         self._features_host = torch.ones((), dtype=torch.bool, pin_memory=self.device == "cuda")
-        # the waveform's page-locked host buffer (stage), pinned at warm_up: not one pinned per prompt
-        self.staging = HostStaging() if self.device == "cuda" else None
+        # the waveform's page-locked host buffer, pinned at warm_up: not one pinned per prompt
+        self.pinned = PinnedHostBuffer() if self.device == "cuda" else None
 
     def capturable(self) -> ProgramEngine:
         """This engine with every method run on the caller's current stream through `...RunSingleThreaded`, the
@@ -195,12 +235,12 @@ class ProgramEngine:
         """Every method called once on inputs of a transcription's size, and the decode step captured (reset):
         a CUDA method's first call loads its kernels (the driver loads each at its first launch; cuBLAS picks and
         loads GEMM kernels by shape) and creates library handles and workspaces, which made a process's first
-        generate() slow (issue 20: 392 ms to the first token against 13.7 warm). Done at load instead; the caches
-        are wiped after. Nothing on CPU, where a first call costs what any call does: returns whether it ran."""
+        generate() slow. Done at load instead; the caches are wiped after. Nothing on CPU, where a first call costs
+        what any call does: returns whether it ran."""
         if self.device != "cuda":
             return False
         self.reset()  # with graphs: the decode step's capture
-        mel = self.preprocess(wave_on_device(np.zeros(N_SAMPLES, np.float32), 1, self.device, self.staging))
+        mel = self.preprocess(wave_on_device(np.zeros(N_SAMPLES, np.float32), 1, self.device, self.pinned))
         self.encode(to_encoder_dtype(mel, self.encoder_dtype))
         n = min(self.max_seq_len - 1, WARM_UP_TOKENS)
         embeds = self.embed(torch.zeros(1, n, dtype=torch.int64, device=self.device))
@@ -282,13 +322,6 @@ def _check_mel_bins(program: Program, pre: Method, enc: Method) -> None:
             f"{program.bundle_dir}: mel bins disagree (manifest {n_mels}, preprocessor "
             f"{pre.spec.outputs[0].shape[1]}, audio_encoder {enc.spec.inputs[0].shape[1]})"
         )
-
-
-def check_features(e: Engine) -> None:
-    """The engine's feature check, for engines that keep one (ProgramEngine; the eager references do not)."""
-    check = getattr(e, "check_features", None)
-    if check is not None:
-        check()
 
 
 def decode_token(e: Engine, token: torch.Tensor, pos: int, decode=None) -> torch.Tensor:

@@ -11,8 +11,6 @@ import contextlib
 import copy
 import math
 import os
-import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,10 +26,10 @@ from runner.audio import (
 )
 from runner.errors import GenerationError
 from runner.runtime.detokenize import StreamDecoder, Tokenizer
-from runner.runtime.engine import Engine, check_features, to_encoder_dtype
+from runner.runtime.engine import Engine, to_encoder_dtype
 from runner.runtime.features import RecordingFeatures
 from runner.runtime.results import GenerationResult, TextJoiner, join_results, window_result
-from runner.runtime.staging import HostStaging, wave_on_device
+from runner.runtime.waveform import PinnedHostBuffer, wave_on_device
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts
@@ -78,12 +76,13 @@ def audio_seconds(segments: list[Segment]) -> float:
     return sum(s.num_samples for s in segments if not isinstance(s, TextSegment)) / SAMPLE_RATE
 
 
-def stage(
-    segments: list[Segment], device: str, audio_chunks: int, window_mel=None, staging: HostStaging | None = None
+def inputs_on_device(
+    segments: list[Segment], device: str, audio_chunks: int, window_mel=None, pinned: PinnedHostBuffer | None = None
 ) -> list[torch.Tensor]:
     """Each segment's input on the device (ids [1, S] int64, or the waveform padded to whole 30 s chunks, at
-    most `audio_chunks`, through `staging`: wave_on_device), all copied before any compute is queued: a copy from
-    pageable host memory synchronises the stream, so one made after the audio encoder is queued would wait for it.
+    most `audio_chunks`, through the `pinned` buffer: wave_on_device), all copied before any compute is queued: a
+    copy from pageable host memory synchronises the stream, so one made after the audio encoder is queued would
+    wait for it.
     A recording's window (Whisper) is its features [1, n_mels, 3000], from `window_mel(samples, window)`
     (RecordingFeatures.window) after the copies; encoded audio is its embeddings, already on the device."""
 
@@ -94,12 +93,14 @@ def stage(
             return s.embeds  # already there
         if s.window is not None:
             return None  # its features, after the copies
-        return wave_on_device(s.samples, audio_chunks, device, staging)
+        return wave_on_device(s.samples, audio_chunks, device, pinned)
 
-    staged = [on_device(s) for s in segments]
-    if window_mel is None and any(x is None for x in staged):
-        raise GenerationError("a recording's window needs the recording's features: stage(..., window_mel=...)")
-    return [window_mel(s.samples, s.window) if x is None else x for s, x in zip(segments, staged)]
+    copied = [on_device(s) for s in segments]
+    if window_mel is None and any(x is None for x in copied):
+        raise GenerationError(
+            "a recording's window needs the recording's features: inputs_on_device(..., window_mel=...)"
+        )
+    return [window_mel(s.samples, s.window) if x is None else x for s, x in zip(segments, copied)]
 
 
 # ---------------------------------------------------------------- options and results
@@ -180,7 +181,7 @@ def prompt_embeds(e: Engine, segments: list[Segment], inputs) -> tuple[torch.Ten
         else:
             mel = x if seg.window is not None else e.preprocess(x)  # a window's input is already its features
             audio = e.encode(to_encoder_dtype(mel, e.encoder_dtype))
-            if getattr(e, "cross", None) is not None:
+            if e.cross is not None:
                 lengths.append(0)
                 continue
             parts.append(audio)
@@ -202,33 +203,23 @@ def check_fits(e: Engine, pos: int, n: int) -> None:
 
 # ---------------------------------------------------------------- the runner
 
-# One lock per KV cache. The cache is the program's state, shared by every runner over it: two generate() calls
-# at once would interleave their prefill and decode steps in it. A second caller gets a clear error, not a mix.
-_STATE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_STATE_LOCKS_GUARD = threading.Lock()
-
-
-def _state_lock(engine: Engine) -> threading.Lock:
-    owner = getattr(engine, "program", engine)  # two ProgramEngines over one Program share its cache
-    with _STATE_LOCKS_GUARD:
-        try:
-            return _STATE_LOCKS.setdefault(owner, threading.Lock())
-        except TypeError:  # not hashable or not weakly referenceable: a lock for this runner alone
-            return threading.Lock()
-
 
 class MultimodalRunner:
     """generate() over an Engine and a tokenizer. `audio_id` is the id prompt_ids show at each audio position
-    (as HF's input_ids); None for a family whose audio is cross-attended."""
+    (as HF's input_ids); None for a family whose audio is cross-attended. `synced_prefill`: prefill() returns once
+    the device is done with it, so a prefill's time stamp is its end, not when it was queued (bench's timings)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, audio_id: int | None):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, audio_id: int | None, synced_prefill: bool = False):
         self.engine, self.tok, self.audio_id = engine, tokenizer, audio_id
-        self._busy = _state_lock(engine)
+        self.synced_prefill = synced_prefill
+        # The engine's KV cache is shared by every runner over it (over a Program: its engines'), so its lock is
+        # too: a second caller at once gets a clear error, not its steps interleaved with the first's.
+        self._busy = engine.state_lock
         self._recordings = RecordingFeatures(engine)  # windows' features, for one generate_windows call
 
-    def _stage(self, segments: list[Segment]) -> list[torch.Tensor]:
-        e = self.engine  # an engine with a HostStaging (ProgramEngine on CUDA) keeps its waveform buffer pinned
-        return stage(segments, e.device, e.max_audio_chunks, self._recordings.window, getattr(e, "staging", None))
+    def _inputs_on_device(self, segments: list[Segment]) -> list[torch.Tensor]:
+        e = self.engine
+        return inputs_on_device(segments, e.device, e.max_audio_chunks, self._recordings.window, e.pinned)
 
     def prefill(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
         """Every segment in order, as one decoder call; returns the last logits and the prompt ids (with the
@@ -236,8 +227,10 @@ class MultimodalRunner:
         if not segments:
             raise GenerationError("empty prompt: nothing to prefill")
         e = self.engine
-        inputs = self._stage(segments)
+        inputs = self._inputs_on_device(segments)
         logits, lengths = e.run_prefill(lambda eng, *xs: prefill_compute(eng, segments, xs), inputs)
+        if self.synced_prefill:  # outside run_prefill: a prefill may be captured as a CUDA graph
+            torch.cuda.synchronize()
         prompt_ids: list[int] = []
         for seg, n in zip(segments, lengths):
             prompt_ids += list(seg.ids) if isinstance(seg, TextSegment) else [self.audio_id] * n
@@ -295,13 +288,13 @@ class MultimodalRunner:
 
     def score_windows(self, windows: list[list[Segment]], answers: list[list[int]]) -> list[torch.Tensor]:
         """Teacher forcing: the logits each answer token is chosen from, one [1, V] float32 per token in order, each
-        window's prompt and its answer (but the last token) in one decoder call. Needs an engine whose `score`
-        gives every position's logits (the eager reference; a compiled text_decoder gives the last one's): one call
+        window's prompt and its answer (but the last token) in one decoder call. Needs an engine that `scores`
+        every position's logits (the eager reference; a compiled text_decoder gives the last one's): one call
         where stepping costs a decoder pass per token."""
         if len(answers) != len(windows):
             raise GenerationError(f"{len(answers)} answers for {len(windows)} prompt windows")
         e, scored = self.engine, []
-        if not hasattr(e, "score"):
+        if not e.scores:
             raise GenerationError(f"{type(e).__name__} cannot score an answer: its decoder gives the last logits only")
         with self.exclusive():
             for segments, answer in zip(windows, answers):
@@ -310,7 +303,7 @@ class MultimodalRunner:
                 segments = [*segments, TextSegment(tuple(answer[:-1]))] if len(answer) > 1 else list(segments)
                 e.reset()
                 try:
-                    embeds, _ = prompt_embeds(e, segments, self._stage(segments))
+                    embeds, _ = prompt_embeds(e, segments, self._inputs_on_device(segments))
                     logits = e.score(embeds, torch.arange(embeds.shape[1], device=e.device))
                 finally:
                     e.reset()
@@ -331,13 +324,13 @@ class MultimodalRunner:
             stats.prompt_tokens = len(prompt_ids)
             stop = "max_new_tokens"
             limit = opts.max_new_tokens or answer_room(stats.audio_seconds)
-            pick = _Picker(sampler, opts.record_logits, stats)
+            pick = _TimedSampler(sampler, opts.record_logits, stats)
             greedy = sampler.generator is None and not opts.record_logits
             advance = greedy_advance(e) if greedy else lambda token, pos: pick(e.decode_token(token, pos))
             for tok_id, chosen_from in token_stream(e, lambda: pick(logits), len(prompt_ids), limit, advance):
                 if not tokens:
                     stats.first_token_ms = now_ms()
-                    check_features(e)  # the prefill's feature check, on the host once its token is (no extra sync)
+                    e.check_features()  # the prefill's feature check, on the host once its token is (no extra sync)
                 tokens.append(tok_id)
                 if chosen_from is not None:
                     recorded.append(chosen_from)
@@ -362,9 +355,9 @@ def answer_room(audio_seconds: float) -> int:
     return max(DEFAULT_ANSWER_TOKENS, math.ceil(audio_seconds * ANSWER_TOKENS_PER_SECOND))
 
 
-class _Picker:
-    """The next token [1, 1] on the device from its logits, and the logits if recorded (copied now: a graph's
-    logits buffer is overwritten by the next step)."""
+class _TimedSampler:
+    """The Sampler timed into the stats: the next token [1, 1] on the device from its logits, and the logits if
+    recorded (copied now: a graph's logits buffer is overwritten by the next step)."""
 
     def __init__(self, sampler: Sampler, record: bool, stats: Stats):
         self.sampler, self.record, self.stats = sampler, record, stats
@@ -381,7 +374,8 @@ def token_stream(e: Engine, first, pos: int, limit: int, advance) -> Iterator[tu
     """Yields (token id, the logits it was chosen from or None). first() gives the first token (from the
     prefill's logits); advance(token, pos) queues the step after `token` at `pos` and gives its token [1, 1].
     After the first token, the next step is queued on the device before the host waits for this one, so the
-    host's per-step work (reading ids, streaming text) overlaps the GPU's and the GPU does not idle between steps. Launches stop at `limit` tokens or the end of the context; a consumer that stops
+    host's per-step work (reading ids, streaming text) overlaps the GPU's and the GPU does not idle between steps.
+    Launches stop at `limit` tokens or the end of the context; a consumer that stops
     at EOS leaves a queued step behind, which the reset() after it follows on the same stream."""
     queue, n, ahead = deque(), 0, 0  # ahead 0 for the first token: it is the TTFT
 
@@ -412,15 +406,17 @@ def greedy_advance(e: Engine):
     return lambda token, pos: (e.decode_token(token, pos).argmax(dim=-1, keepdim=True), None)
 
 
-class _Done:
-    def synchronize(self) -> None:  # CPU work is done when it returns
+class _CpuEvent:
+    """What a CUDA event is to token_stream, on the CPU: its work is done when the call that queued it returns."""
+
+    def synchronize(self) -> None:
         pass
 
 
 def _recorded_event(device: str):
     """An event recorded on the current stream (CUDA), to wait for exactly the work queued so far."""
     if torch.device(device).type != "cuda":
-        return _Done()
+        return _CpuEvent()
     ev = torch.cuda.Event()
     ev.record()
     return ev

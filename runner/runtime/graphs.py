@@ -122,7 +122,7 @@ class BatchGraphs:
 
 class PrefillGraphs:
     """A whole prefill (every method it calls) as one CUDA graph per shape of its inputs. Run method by method,
-    the host launches each of its ~800 kernels (3B) and the GPU waits on those launches. A transcription prompt's
+    the host launches each of its hundreds of kernels and the GPU waits on those launches. A transcription prompt's
     shape depends only on the audio's chunk count and the language, so a batch of files repeats one shape. A
     shape is captured the second time it is seen (its run is the warm-up) and replayed from the third; a shape
     seen once never pays for a capture. The `capacity` most recent graphs are kept: each holds the memory of its

@@ -13,7 +13,7 @@ class RuntimeOptions:
     warm_up: bool = True  # CUDA: first method calls and the decode graph's capture at load (ProgramEngine.warm_up)
     pdl: bool = True  # CUDA: programmatic graph edges for a bundle whose kernels wait (manifest `pdl`)
     # audio_encoder on at most this many 30 s chunks per call (0: a prompt's chunks in one call): a long input's
-    # encoder activations then follow this, not its length (≈ 37 MiB per chunk at 3B dims in bf16)
+    # encoder activations then follow this, not its length
     encoder_chunks: int = 0
     # text_decoder's prefill on at most this many prompt tokens per call, each piece attending to the ones before
     # it in the cache (0: a prompt in one call): a long prompt's activations then follow this, not its length.

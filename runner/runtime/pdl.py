@@ -1,10 +1,9 @@
 """Programmatic dependent launch (PDL) inside a captured CUDA graph.
 
 In a graph captured from a stream, every kernel waits for the one before it to finish and flush before its first
-block starts: each of the decode step's ~150 kernels pays a launch, a ramp to full bandwidth and a tail (≈ 12 us
-per layer on the H200 at 3B, benchmarks/NOTES.md). Hopper can start a kernel early, while its predecessor's last
-blocks run, if the edge between them is *programmatic*; the kernel then waits (`griddepcontrol.wait`) at the point
-it first reads its predecessor's output. The decode kernels of `text_decoder_step` (runner/export/kernels.py) load
+block starts: each of the decode step's kernels pays a launch, a ramp to full bandwidth and a tail. Hopper can
+start a kernel early, while its predecessor's last blocks run, if the edge between them is *programmatic*; the
+kernel then waits (`griddepcontrol.wait`) at the point it first reads its predecessor's output. The decode kernels of `text_decoder_step` (runner/export/kernels.py) load
 their weights first and wait after, but AOTInductor launches them with plain `cuLaunchKernel`, so a capture records
 only full edges. This module rewrites those edges in the captured graph, before it is instantiated: an edge becomes
 programmatic only where both ends are kernels and the later one is one of ours (it waits before reading); every
@@ -50,7 +49,7 @@ class _Driver:
         self.lib = ctypes.CDLL("libcuda.so.1")
 
     def __call__(self, name: str, *args) -> None:
-        rc = getattr(self.lib, name)(*args)
+        rc = self.lib[name](*args)
         if rc != 0:
             raise RuntimeError(f"{name} failed: CUresult {rc}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -10,10 +11,11 @@ import torch
 
 from runner.bundle import Manifest, MethodSpec, verify_bundle
 from runner.digests import DigestCache, default_cache_dir
+from runner.dtypes import torch_dtype
 from runner.errors import BundleError
 from runner.runtime.delegate import AOTIBackend, Handle, SharedTensors
 from runner.runtime.options import RuntimeOptions
-from runner.runtime.weights import release_staging
+from runner.runtime.weights import release_pinned_buffers
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +29,12 @@ class Method:
         return self.handle.spec
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
-        # named in profiler traces (benchmarks/profile_decode.py places the GPU's idle gaps by it); ~1 us otherwise
+        # named in profiler traces (the decode profile places the GPU's idle gaps by it); next to free otherwise
         with torch.profiler.record_function(f"method:{self.spec.name}"):
             return self.backend.execute(self.handle, list(inputs))
 
     def input_dtype(self, i: int = 0) -> torch.dtype:
-        return getattr(torch, self.spec.inputs[i].dtype)
+        return torch_dtype(self.spec.inputs[i].dtype)
 
     def destroy(self) -> None:
         self.backend.destroy(self.handle)
@@ -62,6 +64,9 @@ class Program:
 
     def __init__(self, bundle_dir: Path, manifest: Manifest, methods: dict[str, Method], load_ms: dict[str, float]):
         self.bundle_dir, self.manifest, self.methods, self.load_ms = bundle_dir, manifest, methods, load_ms
+        # The methods' state (the KV cache) is one per Program, shared by every engine and runner over it: two
+        # generate() calls at once would interleave their steps in it, so its user holds this lock.
+        self.state_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -93,7 +98,7 @@ class Program:
                 m.destroy()
             raise
         finally:
-            release_staging()
+            release_pinned_buffers()
         load_ms["weights"] = shared.weights_ms  # part of the methods' times, not beside them
         return cls(bundle_dir, manifest, methods, load_ms)
 

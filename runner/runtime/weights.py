@@ -1,11 +1,11 @@
 """A method's weights file onto its device: streamed through pinned buffers onto a GPU, in one go on the CPU.
 
 safetensors maps the file and copies each tensor out of the mapping. Onto a GPU that costs twice: every 4 KiB page
-is a minor fault on first touch (≈ 1.8 M of them for the 3B decoder's 7.2 GB), and every touched page stays in the
-process's resident set until the mapping closes (issue 20: 8.8 GB peak host RSS for the 3B bundle). Here the file
-is read instead, by a few threads with `os.preadv` (no mapping, no faults; the GIL is released) into a handful of
-pinned buffers, each copied onto the GPU on its own stream while the next is read: the host holds the buffers
-alone. The header is validated by safetensors itself before a byte of data is trusted.
+is a minor fault on first touch, and every touched page stays in the process's resident set until the mapping
+closes (the whole file's size in peak host memory). Here the file is read instead, by a few threads with
+`os.preadv` (no mapping, no faults; the GIL is released) into a handful of pinned buffers, each copied onto the
+GPU on its own stream while the next is read: the host holds the buffers alone. The header is validated by
+safetensors itself before a byte of data is trusted.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def load_weights(
     return out
 
 
-def release_staging() -> None:
+def release_pinned_buffers() -> None:
     """Give the pinned buffers back to the system once a bundle's files are read: torch's pinned allocator keeps
-    freed ones for reuse (the next file of the load reuses them; pinning 128 MiB costs tens of ms), and they would
-    stay in the RSS."""
+    freed ones for reuse (the next file of the load reuses them: pinning is slow), and they would stay in the
+    RSS."""
     if torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()
 

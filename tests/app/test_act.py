@@ -5,6 +5,7 @@ a session's default. `.ci/run` runs the real thing (`nox -s act`)."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,23 +72,56 @@ def test_every_action_the_workflow_pins_is_mapped_to_the_offline_copy(tmp_path):
 
 def test_the_users_flag_wins_over_a_sessions_default_in_both_spellings():
     for args in (["--bundle=X", "--max-new-tokens=4"], ["--bundle", "X", "--max-new-tokens", "4"]):
-        assert noxfile.given(args, "--bundle") and noxfile.value(args, "--max-new-tokens") == "4"
-        out = noxfile.defaults(args, max_new_tokens="32", reference="eager")
-        assert out == [*args, "--reference", "eager"]  # no second --max-new-tokens
-    assert noxfile.value(["--out", "a", "--out=b"], "--out") == "b"  # the last one, as argparse
-    assert not noxfile.given(["--bundles", "X"], "--bundle")
-    audio = noxfile.defaults([], audio=noxfile.fixture_audio([]))
-    assert audio[:2] == ["--audio", "fixtures/audio/speech.wav"] and audio.count("--audio") == 5
+        cli = noxfile.Cli("run", list(args))
+        assert cli.given("--bundle") and cli.value("--max-new-tokens") == "4"
+        cli.default("--max-new-tokens", "32")
+        cli.default("--reference", "eager")
+        assert cli.args == [*args, "--reference", "eager"]  # no second --max-new-tokens
+    assert noxfile.Cli("export", ["--out", "a", "--out=b"]).value("--out") == "b"  # the last one, as argparse
+    assert noxfile.Cli("run", ["--bund", "X"]).value("--bundle") == "X"  # an abbreviation, as the CLI reads it
+    assert not noxfile.Cli("run", ["--bundles", "X"]).given("--bundle")  # not a flag of `run`: the CLI says so
+    audio = noxfile.Cli("run", [])
+    audio.default("--audio", *noxfile.FIXTURE_AUDIO)
+    assert audio.args[:2] == ["--audio", "fixtures/audio/speech.wav"] and audio.args.count("--audio") == 5
+    switch = noxfile.Cli("stream", [])
+    switch.default("--check-whole")
+    assert switch.args == ["--check-whole"]
+
+
+class FakeSession:
+    name = "e2e"
+
+    def error(self, message):
+        raise SystemExit(message)
 
 
 def test_a_sessions_own_options_are_taken_out_in_both_spellings():
-    own, rest = noxfile.session_options(["--model=whisper-tiny", "--bundle", "X"], model="tiny")
-    assert own == {"model": "whisper-tiny"} and rest == ["--bundle", "X"]
-    own, rest = noxfile.session_options(
-        ["--baseline-from", "A", "--json", "j"], baseline_from=None, baseline_workflow="ci.yml"
+    own, rest = noxfile.own_options(FakeSession(), ["--model=whisper-tiny", "--bundle", "X"], model="tiny")
+    assert vars(own) == {"model": "whisper-tiny"} and rest == ["--bundle", "X"]
+    own, rest = noxfile.own_options(
+        FakeSession(), ["--baseline-from", "A", "--json", "j"], baseline_from=None, baseline_workflow="ci.yml"
     )
-    assert own == {"baseline_from": "A", "baseline_workflow": "ci.yml"} and rest == ["--json", "j"]
-    assert noxfile.session_options(["--model"], model="tiny")[0] == {"model": ""}  # no value: the session says so
+    assert vars(own) == {"baseline_from": "A", "baseline_workflow": "ci.yml"} and rest == ["--json", "j"]
+    with pytest.raises(SystemExit, match="options of nox -s e2e"):  # no value: the session says so
+        noxfile.own_options(FakeSession(), ["--model"], model="tiny")
+
+
+def test_every_e2e_cell_names_flags_its_verb_has_and_files_that_exist():
+    models = [m for c in noxfile.E2E_CELLS for m in c.models]
+    assert len(models) == len(set(models)) and {"tiny", "whisper-tiny", "tiny-realtime"} <= set(models)
+    for cell in noxfile.E2E_CELLS:
+        parser = noxfile._probe(cell.verb)
+        for flag in [*cell.defaults, "--bundle", "--expect-tokens"]:
+            assert flag in parser._option_string_actions, f"{cell.models[0]}: `{cell.verb}` has no {flag}"
+        assert (ROOT / cell.golden).is_file()
+        assert all((ROOT / f).is_file() for f in cell.defaults.get("--audio", ()))
+
+
+def test_the_cli_parser_the_noxfile_reads_imports_without_torch_or_numpy():
+    """nox's own venv (CI installs only nox there) imports runner.app.cli.build_parser from the checkout."""
+    code = "import sys; sys.modules.update(numpy=None, torch=None); import runner.app.cli as c; c.build_parser()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_the_shared_tool_cache_gets_the_nox_every_install_step_pins():

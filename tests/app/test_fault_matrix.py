@@ -693,7 +693,7 @@ def gh(monkeypatch):
         monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
         monkeypatch.delenv("GH_TOKEN", raising=False)
         monkeypatch.setenv("GITHUB_API_URL", stub.api_url)
-        monkeypatch.setitem(fetch.fetch_artifact.__kwdefaults__, "sleep", lambda s: None)  # retries, no waiting
+        monkeypatch.setitem(fetch.GitHubAccess.__init__.__kwdefaults__, "sleep", lambda s: None)  # retries, no waiting
         yield stub
 
 

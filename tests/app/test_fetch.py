@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runner import publish
-from runner.app import fetch
+from runner.app import fetch, github
 from runner.app.archive import extract_zip
 from runner.app.cli import add_fetch
 from runner.app.options import Environment
@@ -40,11 +40,22 @@ def sleeps():
     return []
 
 
+REF_FIELDS = ("run_id", "latest", "branch", "workflow", "allow_forks")
+ACCESS_FIELDS = ("api_url", "token", "session", "clock")
+
+
+def call(repo=REPO, *, name=NAME, dest, **kw):
+    """fetch_artifact with its keywords sorted into the artifact reference, the GitHub access and the rest."""
+    ref = fetch.ArtifactRef(repo, name, **{k: kw.pop(k) for k in REF_FIELDS if k in kw})
+    access = fetch.GitHubAccess(**{k: kw.pop(k) for k in (*ACCESS_FIELDS, "retry", "sleep") if k in kw})
+    return fetch.fetch_artifact(ref, access, dest, **kw)
+
+
 def get(stub, tmp_path, sleeps, **kw):
     """fetch_artifact with the stub's API, the token, fast retries and a recorded (not real) sleep."""
-    args = dict(name=NAME, dest=tmp_path / "out", api_url=stub.api_url, token=TOKEN, progress=False)
+    args = dict(dest=tmp_path / "out", api_url=stub.api_url, token=TOKEN, progress=False)
     args.update(kw)
-    return fetch.fetch_artifact(REPO, retry=FAST, sleep=sleeps.append, **args)
+    return call(retry=FAST, sleep=sleeps.append, **args)
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
@@ -387,28 +398,28 @@ def test_next_link_off_the_api_host_is_not_followed(gh, tmp_path, sleeps):
 
 def test_plain_http_is_refused_off_loopback(tmp_path, sleeps):
     with pytest.raises(FetchError, match="not https"):
-        fetch.fetch_artifact(REPO, run_id=1, name=NAME, dest=tmp_path / "o", api_url="http://ghe.example", token="t")
+        call(run_id=1, dest=tmp_path / "o", api_url="http://ghe.example", token="t")
 
 
 def test_argument_errors(tmp_path):
-    common = dict(name=NAME, dest=tmp_path / "o", api_url="https://api.github.com", token="t")
+    common = dict(dest=tmp_path / "o", api_url="https://api.github.com", token="t")
     with pytest.raises(FetchError, match="OWNER/NAME"):
-        fetch.fetch_artifact("nope", run_id=1, **common)
+        call("nope", run_id=1, **common)
     with pytest.raises(FetchError, match="exactly one"):
-        fetch.fetch_artifact(REPO, **common)
+        call(**common)
     with pytest.raises(FetchError, match="only apply with --latest"):
-        fetch.fetch_artifact(REPO, run_id=1, branch="main", **common)
+        call(run_id=1, branch="main", **common)
     with pytest.raises(FetchError, match="not a valid artifact name"):
-        fetch.fetch_artifact(REPO, run_id=1, **{**common, "name": ".."})
+        call(run_id=1, name="..", **common)
 
 
 def test_api_url_defaults_to_github_api_url_env():
     assert Environment.read({}).github_api_url is None  # fetch then uses DEFAULT_API_URL
-    assert fetch.DEFAULT_API_URL == "https://api.github.com"
+    assert github.DEFAULT_API_URL == "https://api.github.com"
     assert Environment.read({"GITHUB_API_URL": "https://ghe.example.com/api/v3/"}).github_api_url.startswith(
         "https://ghe"
     )
-    assert fetch.GitHub("https://ghe.example.com/api/v3/", "t").api_url == "https://ghe.example.com/api/v3"
+    assert github.GitHub("https://ghe.example.com/api/v3/", "t").api_url == "https://ghe.example.com/api/v3"
 
 
 def test_progress_bar_does_not_break_the_download(gh, tmp_path, sleeps):

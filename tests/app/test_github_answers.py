@@ -75,7 +75,7 @@ def via_cli(monkeypatch, tmp_path, capsys):
             real_sleep_rules(s)
             gh.sleep(s)
 
-        monkeypatch.setitem(fetch.fetch_artifact.__kwdefaults__, "sleep", sleep)
+        monkeypatch.setitem(fetch.GitHubAccess.__init__.__kwdefaults__, "sleep", sleep)
         dest = tmp_path / "dl" / "bundle"
         dest.parent.mkdir(exist_ok=True)
         argv = ["fetch", "--repo", REPO, "--name", NAME, "--dest", str(dest), "--no-progress", "--api-url", API]
@@ -219,17 +219,15 @@ def test_any_answer_gives_a_bundle_or_one_fetch_error(zip_bytes, tmp_path, monke
     monkeypatch.setattr(requests, "get", gh.storage_get)
     work = Path(tmp_path) / f"p{len(list(tmp_path.iterdir()))}"
     work.mkdir()
-    where = {"latest": True} if latest else {"run_id": RUN_ID}
+    ref = fetch.ArtifactRef(REPO, NAME, **({"latest": True} if latest else {"run_id": RUN_ID}))
 
     def sleep(s):
         real_sleep_rules(s)
         gh.sleep(s)
 
     try:
-        dest = fetch.fetch_artifact(
-            REPO, name=NAME, dest=work / "b", api_url=API, token=TOKEN, progress=False, session=gh, sleep=sleep,
-            **where,
-        )  # fmt: skip
+        access = fetch.GitHubAccess(api_url=API, token=TOKEN, session=gh, sleep=sleep)
+        dest = fetch.fetch_artifact(ref, access, work / "b", progress=False)
     except FetchError as e:
         assert "\n" not in str(e) and list(work.iterdir()) == []
     else:

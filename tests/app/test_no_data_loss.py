@@ -131,10 +131,10 @@ def gh():
 
 
 def get(stub, dest: Path, **kw):
-    args = dict(name="bundle", dest=dest, api_url=stub.api_url, token=TOKEN, progress=False, run_id=1)
-    return fetch.fetch_artifact(
-        "o/r", retry=fetch.RetryPolicy(attempts=2, backoff=0.01), sleep=lambda s: None, **args, **kw
+    access = fetch.GitHubAccess(
+        api_url=stub.api_url, token=TOKEN, retry=fetch.RetryPolicy(attempts=2, backoff=0.01), sleep=lambda s: None
     )
+    return fetch.fetch_artifact(fetch.ArtifactRef("o/r", "bundle", run_id=1), access, dest, progress=False, **kw)
 
 
 def test_fetch_refuses_when_files_appear_in_dest_during_the_download(gh, tmp_path, monkeypatch):
@@ -197,17 +197,13 @@ def test_whatever_unwinds_after_sigterm_is_reported_as_the_termination(tmp_path,
     and exit 143, not a traceback and exit 1."""
     import runner.app.inspect_bundle as verb
     from runner.app.cli import main
-    from runner.errors import TERMINATING
 
     def interrupted_then_replaced(args):
-        TERMINATING.set()  # what the SIGTERM handler does before it raises
+        args.cancel.cancel()  # what the SIGTERM handler does before it raises
         raise AssertionError("Trying to pop empty mode stack")
 
     monkeypatch.setattr(verb, "main", interrupted_then_replaced)
-    try:
-        assert main(["inspect", str(tmp_path)]) == 128 + signal.SIGTERM
-    finally:
-        TERMINATING.clear()
+    assert main(["inspect", str(tmp_path)]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip().splitlines() == ["error: terminated"]
 
     def plain_bug(args):

@@ -71,6 +71,7 @@ def _sample_manifest() -> Manifest:
         dtype="bfloat16",
         model={
             "family": "voxtral",
+            "required_methods": list(METHOD_NAMES),
             "config": {
                 "text": {"vocab_size": 1024, "dim": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
                 "audio": {"dim": 64, "n_layers": 1},
@@ -276,6 +277,19 @@ def test_symlinked_library(bundle, tmp_path):
 def test_newer_format_version(bundle):
     _edit_manifest(bundle, lambda d: d.update(format_version=FORMAT_VERSION + 1))
     _verify_fails(bundle, MANIFEST_NAME, "newer", "upgrade")
+
+
+@pytest.mark.parametrize("version", range(1, FORMAT_VERSION))
+def test_an_older_format_is_one_line_saying_to_export_again(bundle, version):
+    _edit_manifest(bundle, lambda d: d.update(format_version=version))
+    msg = _verify_fails(bundle, MANIFEST_NAME, f"format version {version}", "older", "export the bundle again")
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("field", ["family", "required_methods"])
+def test_a_manifest_without_its_family_or_required_methods_is_refused_by_name(bundle, field):
+    _edit_manifest(bundle, lambda d: d["model"].pop(field))
+    _verify_fails(bundle, MANIFEST_NAME, f"model.{field} is missing")
 
 
 @pytest.mark.parametrize("version", [None, "1", 1.0])

@@ -1,7 +1,7 @@
 """Continuous batching on CUDA, on a tiny bf16 bundle exported with --max-batch 4: the batched step replays one CUDA
 graph per bucket (1, 2, 4), and its greedy tokens are batch 1's, or differ first where batch 1 itself sees a near
 tie (bf16: the batched step's GEMMs sum in another order than the batch-1 Triton kernels), as `--reference`
-judges a divergence. Skipped without a GPU (CI has none): `bash benchmarks/h200.sh tests` runs tests/cuda there."""
+judges a divergence. Skipped without a GPU (CI has none); the GPU machine runs tests/cuda."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The CUDA-only runtime paths on a tiny bf16 CUDA bundle: the prefill captured as a CUDA graph the second time a
 prompt shape is seen and replayed after, against the eager-prefill run; the LRU of captured shapes; the decode
-step through text_decoder_step's Triton kernels against text_decoder. Skipped without a GPU (CI has none): `bash benchmarks/h200.sh tests` runs tests/cuda on the GPU machine."""
+step through text_decoder_step's Triton kernels against text_decoder. Skipped without a GPU (CI has none); the GPU
+machine runs tests/cuda."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_warm_up_leaves_nothing_behind(cuda_bundle):
         warm = runner_for(program)
         warm.engine.warm_up()
         assert warm.engine.graph is not None
-        assert warm.engine.staging.capacity >= N_SAMPLES  # the waveform's host buffer pinned at load
+        assert warm.engine.pinned.capacity >= N_SAMPLES  # the waveform's host buffer pinned at load
         assert not warm.engine.prefill_graphs.seen
         assert all(not t.any() for m in program.methods.values() for t in m.handle.state.values())
         got = warm.generate(_prompt(warm, prompt_text), OPTS)

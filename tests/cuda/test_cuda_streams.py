@@ -1,8 +1,8 @@
 """The delegate's stream promise (runner/runtime/delegate.py), on a tiny bf16 CUDA bundle: every handle has a CUDA
 stream of its own; an eager call runs the container on it (`...Run` is handed that stream), after the work the
 caller queued on its own stream and before the work the caller queues next; a graph-safe call (what the decode
-graph and the captured prefill record) runs on the caller's current stream instead. Skipped without a GPU:
-`bash benchmarks/h200.sh tests` runs tests/cuda on the GPU machine."""
+graph and the captured prefill record) runs on the caller's current stream instead. Skipped without a GPU; the
+GPU machine runs tests/cuda."""
 
 from __future__ import annotations
 

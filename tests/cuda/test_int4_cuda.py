@@ -1,7 +1,7 @@
 """int4 on CUDA (`--quant int4`): our pure-torch packing is aten's CUDA `_convert_weight_to_int4pack`, bit for bit;
 tinygemm (`_weight_int4pack_mm`) on the stored buffers computes the dequantised linear; a tiny bf16 int4 bundle
 exports (the exporter checks the int4 decode step against the eager model) and transcribes. Skipped without a
-GPU: `bash benchmarks/h200.sh tests` runs tests/cuda on the GPU machine."""
+GPU: the GPU machine runs tests/cuda."""
 
 from __future__ import annotations
 

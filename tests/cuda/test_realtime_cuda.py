@@ -1,7 +1,7 @@
 """The streaming bundle on CUDA: the whole step replayed from CUDA graphs (one per batch size, captured before any
 stream) gives the tokens of the method calls, of the eager model and of each file alone, for streams batched with
-a padding row; and `stream --bench` runs on it. Skipped without a GPU (CI has none): `CUDA_TESTS=
-tests/cuda/test_realtime_cuda.py bash benchmarks/h200.sh tests` runs it on the GPU machine."""
+a padding row; and `stream --bench` runs on it. Skipped without a GPU (CI has none); the GPU machine runs
+tests/cuda."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from conftest import AUDIO, CACHE
 
 from runner.audio import load_audio
 from runner.export.pipeline import ExportOptions
-from runner.export.voxtral_realtime import export_voxtral_realtime, start
+from runner.export.registry import LoadRequest
+from runner.export.voxtral_realtime import export_voxtral_realtime, load
 from runner.families import family_for
 from runner.families.voxtral_realtime import GraphSteps, ProgramSteps, run_together, run_whole
 from runner.reference.voxtral_realtime import eager_steps
@@ -28,7 +29,8 @@ FILES = ("speech.wav", "short.wav", "silence.wav")
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    _, model, source, tekken = start("tiny-realtime", None, random_init=False, seed=0, dtype="fp32", device="cuda")
+    loaded = load(LoadRequest("tiny-realtime", None, dtype="fp32", device="cuda"))
+    model, source, tekken = loaded.model, loaded.source, loaded.tokenizer
     out = tmp_path_factory.mktemp("rt-cuda") / "tiny-realtime"
     export_voxtral_realtime(
         model, source, tekken, out, ExportOptions(device="cuda", dtype="fp32", cache_dir=CACHE, max_streams=4)

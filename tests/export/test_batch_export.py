@@ -12,7 +12,8 @@ import torch
 
 from runner.app.cli import build_parser, main
 from runner.bundle import BATCH_STATE_PREFIX, read_manifest
-from runner.errors import TERMINATING, ExportError
+from runner.errors import Cancellation, ExportError
+from runner.export import registry
 from runner.export.pipeline import ExportOptions, prepare
 
 SHARED = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "text_decoder_step")
@@ -67,7 +68,7 @@ def test_the_flag_and_its_range():
 @pytest.mark.parametrize("family", ["whisper", "voxtral-realtime"])
 def test_a_family_without_a_batched_step_refuses_max_batch(family):
     with pytest.raises(ExportError, match=f"--max-batch 2: a {family} bundle has no batched decode step"):
-        prepare(None, None, ExportOptions(max_batch=2), family)  # refused before the model is touched
+        prepare(None, None, ExportOptions(max_batch=2), registry.family(family))  # refused before the model is touched
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_a_family_without_a_batched_step_refuses_max_batch(family):
 def test_a_flag_the_family_does_not_take_is_refused_not_ignored(family, opts, says):
     """A flag a family would ignore (and the CLI would still name the bundle after, `-int4`) is an error."""
     with pytest.raises(ExportError, match=says):
-        prepare(None, None, ExportOptions(**opts), family)  # refused before the model is touched
+        prepare(None, None, ExportOptions(**opts), registry.family(family))  # refused before the model is touched
 
 
 def test_the_cli_refuses_it_in_one_error_line(tmp_path, capsys):
@@ -158,12 +159,29 @@ def test_a_method_whose_compile_fails_is_compiled_as_its_fallback(tiny_checkpoin
         export_cached(tiny_checkpoint, tmp_path / "none", max_audio_chunks=1, max_seq_len=512)
     assert not (tmp_path / "none").exists()
 
-    # after SIGTERM a failed compile is the termination's, not a reason to compile the fallback
-    monkeypatch.setattr(vx, "prefill_plan", failing_first)
-    TERMINATING.set()
-    try:
-        with pytest.raises(RuntimeError, match="no kernel for this torch"):
-            export_cached(tiny_checkpoint, tmp_path / "terminating", max_audio_chunks=1, max_seq_len=512)
-    finally:
-        TERMINATING.clear()
-    assert not (tmp_path / "terminating").exists()
+    # a stop requested while a method compiles (SIGTERM): its failed compile is the stop's, not a reason to
+    # compile the fallback, and nothing is published
+    cancel = Cancellation()
+
+    class Stopped(Broken):
+        def forward(self, embeds, cache_position):
+            cancel.cancel()  # what the CLI's SIGTERM handler does, mid-trace
+            return super().forward(embeds, cache_position)
+
+    monkeypatch.setattr(vx, "prefill_plan", lambda *a: replace(failing_first(*a), module=Stopped()))
+    with pytest.raises(RuntimeError, match="no kernel for this torch"):
+        export_cached(tiny_checkpoint, tmp_path / "stopped", max_audio_chunks=1, max_seq_len=512, cancel=cancel)
+    assert not (tmp_path / "stopped").exists()
+
+
+def test_a_stop_requested_before_an_export_publishes_nothing(tiny_checkpoint, tmp_path):
+    """Cancellation is checked between methods and before publishing: a stopped export leaves no bundle."""
+    from conftest import export_cached
+
+    from runner.errors import Terminated
+
+    cancel = Cancellation()
+    cancel.cancel()
+    with pytest.raises(Terminated):
+        export_cached(tiny_checkpoint, tmp_path / "stopped", max_audio_chunks=1, max_seq_len=512, cancel=cancel)
+    assert not (tmp_path / "stopped").exists() and not list(tmp_path.glob(".stopped*"))

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from runner.export import kernels as K  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
 from runner.export.quant import apply_quant  # noqa: E402
+from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT  # noqa: E402
 from runner.models.voxtral import Voxtral, apply_rope, rope, rope_inv_freq  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
@@ -146,7 +147,7 @@ def test_decode_step_matches_the_decoder(quant):
     tinygemm itself: tests/cuda/test_int4_cuda.py."""
     torch.manual_seed(0)
     m = Voxtral(preset("tiny")).init_weights(0).to(DEV, DOT_DTYPE)
-    apply_quant(m, "voxtral", quant)
+    apply_quant(m, VOXTRAL_EXPORT, quant)
     m.setup_caches(64)
     dec, step = m.decoder(), DecodeStep(m.config.text, m.language_model)
     caches = [t for layer in dec.layers for t in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache)]

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from runner.export import kernels_int4 as KI  # noqa: E402
 from runner.export import kernels_prefill as KP  # noqa: E402
 from runner.export.quant import apply_quant, quantize_linear  # noqa: E402
+from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT  # noqa: E402
 from runner.models import quant_linear  # noqa: E402
 from runner.models.quant_linear import QuantLinear  # noqa: E402
 from runner.models.voxtral import Voxtral  # noqa: E402
@@ -103,7 +104,7 @@ def export_tiny_int4_prefill():
     cuda = DEV == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     m = Voxtral(preset("tiny")).init_weights(seed=5).to(DEV, dtype)
-    apply_quant(m, "voxtral", "int4")
+    apply_quant(m, VOXTRAL_EXPORT, "int4")
     m.setup_caches(32)
     prefill = m.prefiller(KP.KERNELS) if cuda else m.prefiller()
     emb = torch.randn(1, 6, m.config.text.dim, device=DEV).to(dtype)

@@ -18,7 +18,9 @@ from torch import nn
 from runner.app.inspect_bundle import quant_line
 from runner.errors import BundleError, ExportError
 from runner.export.pipeline import ExportOptions, cache_key
-from runner.export.quant import GROUP_SIZE, LEVELS, PATTERNS, apply_quant, quantize, quantize_linear
+from runner.export.quant import GROUP_SIZE, LEVELS, apply_quant, quantize, quantize_linear
+from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT
+from runner.export.whisper import EXPORT as WHISPER_EXPORT
 from runner.models.quant_linear import (
     LAYOUT,
     QuantLinear,
@@ -143,7 +145,7 @@ def test_quant_linear_equals_linear_with_the_dequantised_weight(bias):
 def test_voxtral_int4_replaces_the_decoder_linears_and_lm_head_only():
     m = Voxtral(preset("tiny")).init_weights(0)
     ref = copy.deepcopy(m)
-    record = apply_quant(m, "voxtral", "int4")
+    record = apply_quant(m, VOXTRAL_EXPORT, "int4")
     quantised = {n for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
     layers = m.config.text.n_layers
     assert len(quantised) == record["n_linear"] == 4 * layers + 1
@@ -159,15 +161,15 @@ def test_voxtral_int4_replaces_the_decoder_linears_and_lm_head_only():
         "symmetric": False,
         "layout": LAYOUT,
         "scale_dtype": "float32",
-        "modules": PATTERNS["voxtral"],
+        "modules": list(VOXTRAL_EXPORT.quant_modules),
         "n_linear": 4 * layers + 1,
     }
-    assert apply_quant(Voxtral(preset("tiny")), "voxtral", "none") is None
+    assert apply_quant(Voxtral(preset("tiny")), VOXTRAL_EXPORT, "none") is None
 
 
 def test_whisper_int4_leaves_the_cross_kv_projections_and_the_tied_output_alone():
     m = Whisper(WhisperConfig()).init_weights(0)
-    apply_quant(m, "whisper", "int4")
+    apply_quant(m, WHISPER_EXPORT, "int4")
     quantised = {n.split(".", 3)[-1] for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
     assert quantised == {
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
@@ -182,7 +184,7 @@ def test_the_eager_reference_rebuilds_the_layout_from_the_record():
     """What reference/voxtral.py does with a bundle: a model built on the meta device, the record's modules made
     QuantLinear, then the bundle's state assigned; it computes what the exported model's eager twin computes."""
     m = Voxtral(preset("tiny")).init_weights(0)
-    record = apply_quant(m, "voxtral", "int4")
+    record = apply_quant(m, VOXTRAL_EXPORT, "int4")
     m.setup_caches(32)
     with torch.device("meta"):
         rebuilt = Voxtral(m.config)
@@ -198,7 +200,7 @@ def test_whisper_reference_load_keeps_the_codes_exact():
     """load_state without `assign` converts floats to float32 first; the int32 codes must not pass through a float
     (2^31 does not fit float32's mantissa)."""
     m = Whisper(WhisperConfig()).init_weights(0)
-    record = apply_quant(m, "whisper", "int4")
+    record = apply_quant(m, WHISPER_EXPORT, "int4")
     fresh = Whisper(WhisperConfig())
     use_quant_layout(fresh, record)
     load_state(fresh, m.state_dict(), source="test")
@@ -223,14 +225,14 @@ def test_quant_option_is_checked_and_keys_the_compile_cache():
 
 
 def test_inspect_line_names_the_scheme():
-    record = apply_quant(Voxtral(preset("tiny")), "voxtral", "int4")
+    record = apply_quant(Voxtral(preset("tiny")), VOXTRAL_EXPORT, "int4")
     line = quant_line(record)
     assert "int4 weight-only, groups of 128, asymmetric (scale + zero) in float32, tinygemm layout, 9 linear" in line
     assert quant_line(None) == "weights: unquantised (the bundle's dtype)"
 
 
 def test_a_record_of_another_layout_is_refused_with_what_to_do():
-    record = apply_quant(Voxtral(preset("tiny")), "voxtral", "int4")
+    record = apply_quant(Voxtral(preset("tiny")), VOXTRAL_EXPORT, "int4")
     with torch.device("meta"):
         m = Voxtral(preset("tiny"))
     with pytest.raises(
@@ -264,7 +266,7 @@ def test_the_batched_step_runs_int4_layers_at_a_few_rows_as_the_dequantised_mode
     their own positions it computes what the same step over nn.Linear layers holding the dequantised weights does."""
     cfg = preset("tiny")
     q = Voxtral(cfg).init_weights(seed=5)
-    record = apply_quant(q, "voxtral", "int4")
+    record = apply_quant(q, VOXTRAL_EXPORT, "int4")
     plain = copy.deepcopy(q)
     for name in quantized_names(plain, record["modules"]):
         ql = plain.get_submodule(name)
@@ -285,7 +287,7 @@ def test_the_prefill_runs_an_int4_lm_head_on_its_last_row_alone():
     """The prompt's logits are the last position's: an int4 lm_head goes through `few_rows` (tinygemm on CUDA) on
     that one row, never dequantised whole (0.8 GB at 3B for one row)."""
     m = Voxtral(preset("tiny")).init_weights(0)
-    apply_quant(m, "voxtral", "int4")
+    apply_quant(m, VOXTRAL_EXPORT, "int4")
     m.setup_caches(32)
     lm_head, rows = m.language_model.lm_head, []
     plain = lm_head.tinygemm
@@ -303,6 +305,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from runner.export.decode_step import DecodeStep
 from runner.export.quant import apply_quant
+from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_config import preset
 
@@ -310,7 +313,7 @@ cfg = preset("tiny")
 with torch.device("meta"):
     m = Voxtral(cfg).to(torch.bfloat16)
 m.setup_caches(64, torch.bfloat16)
-record = apply_quant(m, "voxtral", "int4")
+record = apply_quant(m, VOXTRAL_EXPORT, "int4")
 with FakeTensorMode():
     for sub in m.modules():  # every weight, code and cache as a fake CUDA tensor of its shape and dtype
         for name, p in list(sub.named_parameters(recurse=False)):

@@ -18,7 +18,8 @@ from conftest import CACHE, FIXTURES
 from runner.audio import load_audio
 from runner.bundle import read_manifest
 from runner.export.pipeline import ExportOptions
-from runner.export.voxtral_realtime import export_voxtral_realtime, start
+from runner.export.registry import LoadRequest
+from runner.export.voxtral_realtime import export_voxtral_realtime, load
 from runner.families import family_for
 from runner.families.voxtral_realtime import NAME, ProgramSteps, StreamSession, run_whole
 from runner.reference.voxtral_realtime import eager_steps
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
-    _, model, source, tekken = start("tiny-realtime", None, random_init=False, seed=0, dtype="fp32", device="cpu")
+    loaded = load(LoadRequest("tiny-realtime", None))
+    model, source, tekken = loaded.model, loaded.source, loaded.tokenizer
     out = tmp_path_factory.mktemp("rt") / "tiny-realtime"
     export_voxtral_realtime(model, source, tekken, out, ExportOptions(cache_dir=CACHE))
     return out

@@ -88,9 +88,9 @@ def test_a_recording_longer_than_the_preprocessor_takes_is_refused_by_name(token
     assert len(WhisperFamily(tokenizer, max_recording_chunks=3).prompts(path, None, None, 1)) == 2
 
 
-def test_a_bundle_whose_preprocessor_takes_one_window_must_be_re_exported(tmp_path):
+def test_a_manifest_without_the_preprocessors_bound_is_refused_by_name(tmp_path):
     model = {"config": {"text": {"vocab_size": 300}}, "tokenizer": "tokenizer.json"}
-    with pytest.raises(BundleError, match="re-export"):
+    with pytest.raises(BundleError, match="model.max_recording_chunks is missing"):
         WhisperFamily.from_bundle(tmp_path, model)
 
 

@@ -74,8 +74,9 @@ def target(data: bytes) -> None:
     where = {"latest": True} if latest else {"run_id": fake.RUN_ID}
     try:
         fetch.fetch_artifact(
-            fake.REPO, name=fake.NAME, dest=work / "b", api_url=fake.API, token=fake.TOKEN, progress=False,
-            session=gh, sleep=sleep, **where,
+            fetch.ArtifactRef(fake.REPO, fake.NAME, **where),
+            fetch.GitHubAccess(api_url=fake.API, token=fake.TOKEN, session=gh, sleep=sleep),
+            work / "b", progress=False,
         )  # fmt: skip
     except FetchError as e:
         assert "\n" not in str(e) and list(work.iterdir()) == [], (str(e), list(work.iterdir()))

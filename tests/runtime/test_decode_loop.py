@@ -6,13 +6,13 @@ the engine overwrites one logits buffer every step (as a CUDA-graph replay does)
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from runner.errors import GenerationError
 from runner.families.voxtral.tokenizer import Tekken
+from runner.runtime.engine import Engine
 from runner.runtime.generate import GenerationOptions, MultimodalRunner, TextSegment
 
 TEKKEN = Path(__file__).resolve().parents[2] / "fixtures" / "tekken.json"
@@ -24,10 +24,12 @@ def next_token(token: int, pos: int) -> int:
     return 2 if (3 * token + pos) % 17 == 0 else 10 + (5 * token + pos) % (V - 10)
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     device, max_audio_chunks, encoder_dtype = "cpu", 1, torch.float32
+    scores = True
 
     def __init__(self, max_seq_len: int = 512):
+        super().__init__()
         self.max_seq_len = max_seq_len
         self.logits = torch.zeros(1, V)  # one buffer, overwritten by every call
         self.steps: list[tuple[int, int]] = []  # (token, position) of every decode step
@@ -56,8 +58,11 @@ class ScriptedEngine:
     def reset(self):
         pass
 
-    def run_prefill(self, compute, inputs):
-        return compute(self, *inputs)
+
+class LastLogitsOnly(ScriptedEngine):
+    """A decoder that gives the last position's logits only, as a compiled text_decoder does."""
+
+    scores = False
 
 
 def reference(prompt: list[int], opts: GenerationOptions, max_seq_len: int) -> tuple[list[int], str]:
@@ -125,8 +130,8 @@ def test_an_answer_is_scored_at_each_of_its_tokens_in_one_call_per_window():
     assert [int(r.argmax()) for r in rows] == want and all(r.shape == (1, V) for r in rows)
     with pytest.raises(GenerationError, match="2 answers for 3 prompt windows"):
         runner.score_windows(windows, answers[:2])
-    compiled = MultimodalRunner(SimpleNamespace(device="cpu"), Tekken.from_file(TEKKEN), None)  # no score()
-    with pytest.raises(GenerationError, match="SimpleNamespace cannot score an answer"):
+    compiled = MultimodalRunner(LastLogitsOnly(), Tekken.from_file(TEKKEN), None)
+    with pytest.raises(GenerationError, match="LastLogitsOnly cannot score an answer"):
         compiled.score_windows(windows, answers)
 
 
@@ -152,7 +157,7 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_position_by_position(tin
     from runner.audio import SAMPLE_RATE
     from runner.families.voxtral import transcription_prompt
     from runner.runtime.engine import ProgramEngine, to_encoder_dtype
-    from runner.runtime.generate import stage
+    from runner.runtime.generate import inputs_on_device
     from runner.runtime.program import Program
 
     with Program.load(tiny_bundle) as program:
@@ -169,7 +174,7 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_position_by_position(tin
 
         engine.reset()
         pos, step = 0, program.methods["text_decoder_step"]
-        for seg, x in zip(segments, stage(segments, "cpu", engine.max_audio_chunks)):
+        for seg, x in zip(segments, inputs_on_device(segments, "cpu", engine.max_audio_chunks)):
             embeds = (
                 engine.embed(x)
                 if isinstance(seg, TextSegment)
@@ -201,7 +206,7 @@ def test_the_waveform_goes_up_padded_to_whole_chunks_as_the_host_padding_was():
 
     from runner.audio import N_SAMPLES, pad_to_chunks
     from runner.errors import AudioError
-    from runner.runtime.staging import wave_on_device
+    from runner.runtime.waveform import wave_on_device
 
     rng = np.random.default_rng(0)
     for n in (0, 1, N_SAMPLES - 1, N_SAMPLES, N_SAMPLES + 7):

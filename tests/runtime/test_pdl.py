@@ -1,6 +1,6 @@
-"""Which edges of a captured decode graph become programmatic (runner/pdl.py): only full edges from a kernel to a
-kernel that waits (griddepcontrol.wait) before reading its predecessor's output. The rewrite itself runs on the
-GPU: tests/test_cuda_runtime.py checks the decode kernels' edges are found and the tokens do not change."""
+"""Which edges of a captured decode graph become programmatic (runner/runtime/pdl.py): only full edges from a kernel
+to a kernel that waits (griddepcontrol.wait) before reading its predecessor's output. The rewrite itself runs on
+the GPU: tests/cuda/test_cuda_runtime.py checks the decode kernels' edges are found and the tokens do not change."""
 
 from __future__ import annotations
 

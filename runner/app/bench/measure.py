@@ -22,7 +22,7 @@ from runner.app.bench.throughput import ThroughputPlan, bench_throughput
 from runner.audio import N_SAMPLES
 from runner.errors import RunnerError
 from runner.families.voxtral import Tekken
-from runner.runtime.engine import ProgramEngine, to_encoder_dtype
+from runner.runtime.engine import Engine, ProgramEngine, to_encoder_dtype
 from runner.runtime.generate import GenerationOptions, MultimodalRunner, Segment
 from runner.runtime.graphs import PrefillGraphs
 from runner.runtime.options import RuntimeOptions
@@ -144,14 +144,14 @@ def method_inputs(plan: Plan, vocab_size: int, device: str) -> tuple[torch.Tenso
 
 
 def bench_methods(
-    engine, plan: Plan, clock: Clock, wave: torch.Tensor, ids: torch.Tensor, mel: torch.Tensor | None = None
+    engine: Engine, plan: Plan, clock: Clock, wave: torch.Tensor, ids: torch.Tensor, mel: torch.Tensor | None = None
 ) -> dict[str, list[float]]:
-    """Each method on the plan's shapes. `engine` is an Engine (multimodal.py); one without `preprocess` gets
-    its features from `mel`. A decode step runs at position P after a prefill of P; engines with a growing
-    cache (transformers') `rewind` to P before each step, untimed."""
+    """Each method on the plan's shapes; given `mel`, the engine's features come from it and its preprocessor
+    is not timed (transformers' feature extractor is numpy). A decode step runs at position P after a prefill of
+    P; an engine with a growing cache (transformers') is rewound to P before each step, untimed."""
     r, w, n = plan.runs, plan.warmup, plan.prefill_tokens
     out = {}
-    if hasattr(engine, "preprocess"):
+    if mel is None:
         out["preprocessor_ms"] = clock.repeat(lambda: engine.preprocess(wave), r, w)
         mel = engine.preprocess(wave)
     mel = to_encoder_dtype(mel, engine.encoder_dtype)
@@ -171,15 +171,12 @@ def bench_methods(
     )
     engine.reset()
     engine.decode(embeds, pos)
-    rewind = getattr(engine, "rewind", None)
     # the step as generate() takes it (text_decoder prefills into an empty cache; a step attends to the cache)
     out["text_decoder_decode_ms"] = with_peak(
         clock,
         out,
         "text_decoder_decode",
-        lambda: clock.repeat(
-            lambda: engine.decode_token(token, n), r, w, before=(lambda: rewind(n)) if rewind else None
-        ),
+        lambda: clock.repeat(lambda: engine.decode_token(token, n), r, w, before=lambda: engine.rewind(n)),
     )
     engine.reset()
     return out
@@ -187,7 +184,7 @@ def bench_methods(
 
 def _encoder_graph_replay(engine: ProgramEngine, mel: torch.Tensor, clock: Clock, runs: int, warmup: int) -> dict:
     """audio_encoder as generate() runs it on CUDA, inside a captured graph (`PrefillGraphs`: run, captured on the
-    second call, replayed from the third). The direct call above pays the host's launch of each of its ~400
+    second call, replayed from the third). The direct call above pays the host's launch of each of its
     kernels; a replay is the kernels' own time. A capture that fails leaves the figure out, not the run."""
     graphs = PrefillGraphs(engine.device, capacity=1)
     capturable = engine.capturable()
@@ -201,25 +198,15 @@ def _encoder_graph_replay(engine: ProgramEngine, mel: torch.Tensor, clock: Clock
     return {} if graphs.disabled else {"audio_encoder_graph_ms": times}  # disabled: those were direct calls
 
 
-class _Synced:
-    """An Engine whose prefill returns only when the device is done: the runner stamps prompt_eval_end right
-    after it, which on CUDA would otherwise be when it was queued."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def run_prefill(self, compute, inputs):
-        out = self._engine.run_prefill(compute, inputs)  # not inside: a prefill may be captured as a CUDA graph
-        torch.cuda.synchronize()
-        return out
+def timed_runner(engine: Engine, tok: Tekken, clock: Clock) -> MultimodalRunner:
+    """A runner whose prefill returns only when the device is done: it stamps prompt_eval_end right after, which
+    on CUDA would otherwise be when the prefill was queued."""
+    return MultimodalRunner(engine, tok, tok.special_id("[AUDIO]"), synced_prefill=clock.cuda)
 
 
-def first_ttft(engine, tok: Tekken, plan: Plan, clock: Clock) -> float:
+def first_ttft(engine: Engine, tok: Tekken, plan: Plan, clock: Clock) -> float:
     """Time to the first token of this engine's first generate(): the first file of a `run` process."""
-    runner = MultimodalRunner(_Synced(engine) if clock.cuda else engine, tok, tok.special_id("[AUDIO]"))
+    runner = timed_runner(engine, tok, clock)
     stats = Stats()
     clock.sync()
     runner.generate(plan.segments, plan.opts, stats=stats)
@@ -227,10 +214,10 @@ def first_ttft(engine, tok: Tekken, plan: Plan, clock: Clock) -> float:
 
 
 def bench_e2e(
-    engine, tok: Tekken, plan: Plan, clock: Clock
+    engine: Engine, tok: Tekken, plan: Plan, clock: Clock
 ) -> tuple[dict[str, list[float]], dict[str, str], list[int], list[int]]:
     """The whole runner on the audio file, `runs` times; returns figures, info, prompt ids and tokens."""
-    runner = MultimodalRunner(_Synced(engine) if clock.cuda else engine, tok, tok.special_id("[AUDIO]"))
+    runner = timed_runner(engine, tok, clock)
     samples: dict[str, list[float]] = {}
     info: dict[str, str] = {}
     for i in range(plan.warmup + plan.runs):
@@ -292,9 +279,9 @@ def bench_ours(
         )
         res.samples.update(e2e)
         res.info.update(info, cuda_graph=str(engine.use_cuda_graph).lower())
-        for switch in ("encoder_chunks", "prefill_chunk"):  # recorded where not the default
-            if getattr(engine, switch, 0):
-                res.info[switch] = str(getattr(engine, switch))
+        for switch, value in (("encoder_chunks", engine.encoder_chunks), ("prefill_chunk", engine.prefill_chunk)):
+            if value:  # recorded where not the default
+                res.info[switch] = str(value)
         # batch 1's: before the batched passes
         res.samples["peak_memory_mb"] = [peak_memory_mb(plan.device, res.samples)]
         if plan.device == "cuda":

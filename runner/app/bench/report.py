@@ -233,79 +233,71 @@ def _fmt(x: float) -> str:
 def to_records(run: BenchRun) -> list[dict]:
     """One record per (backend, figure), plus one per (peer, figure) ratio and per failed peer: the PyTorch OSS
     benchmark database's v3 format (benchmark / model / metric; every extra_info value a string)."""
-    ctx = run.context
-    benchmark = {
-        "name": "voxtral-aoti-runner",
-        "mode": "inference",
-        "dtype": ctx["dtype"],
-        "extra_info": {k: str(v) for k, v in ctx.items()},
-    }
-    runner = {
-        "name": ctx.get("runner", "local"),
-        "type": ctx["device"],
-        "cpu_info": ctx.get("cpu", ""),
-        "gpu_info": ctx.get("gpu", ""),
-        "extra_info": {},
+    record = _Records(run.context)
+    records = []
+    for res in run.results:
+        if res.error is not None:
+            error = {"name": "error", "benchmark_values": [], "extra_info": {"error": res.error}}
+            records.append(record(res.backend, error, res.info))
+            continue
+        for fig in figures_of(res):
+            s = res.summary(fig.key)
+            if s is not None:
+                metric = {"name": fig.key, "benchmark_values": res.samples[fig.key], "extra_info": _summary(fig, s)}
+                records.append(record(res.backend, metric, res.info))
+    for peer in run.peers:
+        for fig, r in ratios(run, peer):
+            extra = {"unit": "x", "better": "higher", "definition": RATIO_NOTE}
+            metric = {"name": fig.key, "benchmark_values": [r], "extra_info": extra}
+            records.append(record(f"{OURS}-vs-{peer.backend}", metric, {}))
+    return records
+
+
+def _summary(fig: Figure, s: Summary) -> dict[str, str]:
+    return {
+        "unit": fig.unit,
+        "better": fig.better,
+        "median": _fmt(s.median),
+        "p90": _fmt(s.p90),
+        "min": _fmt(s.min),
+        "max": _fmt(s.max),
+        "trimmed_mean": _fmt(s.trimmed_mean),
+        "n": str(s.n),
     }
 
-    def record(backend: str, metric: dict, info: dict[str, str]) -> dict:
+
+class _Records:
+    """A v3 record of one metric, with the run's benchmark and runner entries (one run context)."""
+
+    def __init__(self, ctx: dict[str, str]):
+        self.model = ctx["model"]
+        self.benchmark = {
+            "name": "voxtral-aoti-runner",
+            "mode": "inference",
+            "dtype": ctx["dtype"],
+            "extra_info": {k: str(v) for k, v in ctx.items()},
+        }
+        self.runner = {
+            "name": ctx.get("runner", "local"),
+            "type": ctx["device"],
+            "cpu_info": ctx.get("cpu", ""),
+            "gpu_info": ctx.get("gpu", ""),
+            "extra_info": {},
+        }
+
+    def __call__(self, backend: str, metric: dict, info: dict[str, str]) -> dict:
         return {
-            "benchmark": benchmark,
+            "benchmark": self.benchmark,
             "model": {
-                "name": ctx["model"],
+                "name": self.model,
                 "type": "OSS model",
                 "backend": backend,
                 "origins": ["pytorch"],
                 "extra_info": {k: str(v) for k, v in info.items()},
             },
             "metric": metric,
-            "runners": [runner],
+            "runners": [self.runner],
         }
-
-    records = []
-    for res in run.results:
-        if res.error is not None:
-            records.append(
-                record(
-                    res.backend, {"name": "error", "benchmark_values": [], "extra_info": {"error": res.error}}, res.info
-                )
-            )
-            continue
-        for fig in figures_of(res):
-            s = res.summary(fig.key)
-            if s is None:
-                continue
-            extra = {
-                "unit": fig.unit,
-                "better": fig.better,
-                "median": _fmt(s.median),
-                "p90": _fmt(s.p90),
-                "min": _fmt(s.min),
-                "max": _fmt(s.max),
-                "trimmed_mean": _fmt(s.trimmed_mean),
-                "n": str(s.n),
-            }
-            records.append(
-                record(
-                    res.backend,
-                    {"name": fig.key, "benchmark_values": res.samples[fig.key], "extra_info": extra},
-                    res.info,
-                )
-            )
-    for peer in run.peers:
-        for fig, r in ratios(run, peer):
-            records.append(
-                record(
-                    f"{OURS}-vs-{peer.backend}",
-                    {
-                        "name": fig.key,
-                        "benchmark_values": [r],
-                        "extra_info": {"unit": "x", "better": "higher", "definition": RATIO_NOTE},
-                    },
-                    {},
-                )
-            )
-    return records
 
 
 def ratios(run: BenchRun, peer: BackendResult) -> list[tuple[Figure, float]]:

@@ -27,7 +27,7 @@ from runner.app.bench.report import (
 from runner.app.folder import read_list
 from runner.audio import SAMPLE_RATE
 from runner.errors import RunnerError
-from runner.families.voxtral import Tekken, VoxtralFamily
+from runner.families import Family
 from runner.runtime.batch import Job, generate_many
 from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner, Prompt
 
@@ -54,7 +54,7 @@ def parse_batches(text: str) -> tuple[int, ...]:
     return batches
 
 
-def plan_throughput(args: argparse.Namespace, tok: Tekken, max_audio_chunks: int) -> ThroughputPlan | None:
+def plan_throughput(args: argparse.Namespace, family: Family, max_audio_chunks: int) -> ThroughputPlan | None:
     """None without --throughput-files / --throughput-list. The files: the list's (cycled to N), else --audio
     repeated N times."""
     batches = parse_batches(args.batch)
@@ -67,7 +67,6 @@ def plan_throughput(args: argparse.Namespace, tok: Tekken, max_audio_chunks: int
         raise RunnerError(f"--throughput-files {n}: must be >= 1")
     paths = read_list(listed) if listed is not None else [Path(args.audio)]
     n = n if n is not None else len(paths)
-    family = VoxtralFamily(tok)
     windows = {p: family.prompts(p, None, args.language, max_audio_chunks) for p in dict.fromkeys(paths)}
     chosen = [paths[i % len(paths)] for i in range(n)]
     return ThroughputPlan(

@@ -37,7 +37,8 @@ from runner.app.options import Environment
 from runner.audio import SAMPLE_RATE, TOKENS_PER_CHUNK, load_audio
 from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, read_manifest
 from runner.errors import RunnerError
-from runner.families.voxtral import Tekken, transcription_prompt
+from runner.families import family_for
+from runner.families.voxtral import VoxtralFamily, transcription_prompt
 from runner.runtime.generate import GenerationOptions, TextSegment
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout, for the commit measured
@@ -74,7 +75,7 @@ def context(bundle: Path, manifest: Manifest, plan: Plan, audio: Path, env: Envi
     cpu = f"{platform.machine()} x{os.cpu_count()}"
     gpu = torch.cuda.get_device_name() if plan.device == "cuda" else ""
     return {
-        "model": str(src.get("name", "voxtral")),
+        "model": str(src.get("name", manifest.model.get("family"))),
         "weights": str(src.get("kind", "")),
         "weights_digest": str(src.get("weights_digest", "")),
         "device": plan.device,
@@ -109,8 +110,15 @@ def context(bundle: Path, manifest: Manifest, plan: Plan, audio: Path, env: Envi
         ),
         "runner": "github-actions" if env.github_actions else "local",
         # other work on the machine skews CPU figures badly (OpenMP threads wait for busy cores): say how much
-        "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+        "load_average": _load_average(),
     }
+
+
+def _load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):  # no load average on this system (Windows has no os.getloadavg)
+        return "n/a"
 
 
 def _parse_compare(text: str) -> list[str]:
@@ -131,7 +139,7 @@ def _parse_gate(text: str) -> set[str]:
     return gate
 
 
-def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan:
+def make_plan(args: argparse.Namespace, manifest: Manifest, family: VoxtralFamily) -> Plan:
     for flag, value, least in (
         ("--runs", args.runs, 1),
         ("--warmup", args.warmup, 0),
@@ -146,7 +154,7 @@ def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan
     if args.chunks > m["max_audio_chunks"]:
         raise RunnerError(f"--chunks {args.chunks}: the bundle takes at most {m['max_audio_chunks']} chunks")
     audio = load_audio(args.audio)
-    segments = transcription_prompt(tok, audio, args.language)
+    segments = transcription_prompt(family.tokenizer, audio, args.language)
     text = sum(len(s.ids) for s in segments if isinstance(s, TextSegment))
     prefill = args.chunks * TOKENS_PER_CHUNK + text
     if prefill + 1 > m["max_seq_len"]:
@@ -155,7 +163,7 @@ def make_plan(args: argparse.Namespace, manifest: Manifest, tok: Tekken) -> Plan
             f"({m['max_seq_len']} tokens)"
         )
     device = args.device or manifest.device
-    throughput = plan_throughput(args, tok, m["max_audio_chunks"])
+    throughput = plan_throughput(args, family, m["max_audio_chunks"])
     return Plan(
         device=device,
         runs=args.runs or (10 if device == "cuda" else 5),
@@ -193,12 +201,13 @@ def main(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
     manifest = read_manifest(args.bundle)  # Program.load verifies every digest, timed
-    family = manifest.model.get("family", "voxtral")
-    if family != "voxtral":  # Whisper bundles: `run --json` stats (benchmarks/README-whisper.md)
-        how = "`stream --bench`" if family == "voxtral-realtime" else "`run --json`"
-        raise RunnerError(f"{args.bundle}: bench times Voxtral bundles; this is a {family} bundle (use {how})")
-    tok = Tekken.from_file(args.bundle / manifest.model["tokenizer"])
-    plan = make_plan(args, manifest, tok)
+    family = family_for(args.bundle, manifest.model)
+    caps = family.capabilities
+    if not caps.chat_prompts:  # the figures and peers here are Voxtral's prompts (benchmarks/README-whisper.md)
+        how = "`stream --bench`" if caps.streaming else "`run --json`"
+        raise RunnerError(f"{args.bundle}: bench times Voxtral bundles; this is a {family.name} bundle (use {how})")
+    tok = family.tokenizer
+    plan = make_plan(args, manifest, family)
     vocab = manifest.model["config"]["text"]["vocab_size"]
     clock = Clock(plan.device)
 

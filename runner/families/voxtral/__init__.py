@@ -13,6 +13,7 @@ import numpy as np
 
 from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, audio_windows, context_for, load_audio, num_chunks
 from runner.errors import AudioError, GenerationError
+from runner.families.base import Capabilities
 from runner.families.voxtral.tokenizer import Tekken
 from runner.runtime.generate import AudioSegment, Prompt, TextSegment
 
@@ -70,6 +71,8 @@ def chat_prompt(tok: Tekken, audio: np.ndarray, prompt: str) -> Prompt:
 
 
 class VoxtralFamily:
+    name = NAME
+    capabilities = Capabilities(chat_prompts=True, batching=True)
     cross_attention = False
 
     def __init__(self, tokenizer: Tekken):

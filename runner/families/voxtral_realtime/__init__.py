@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from runner.errors import GenerationError
+from runner.families.base import Capabilities
 from runner.families.voxtral.tokenizer import Tekken
 from runner.families.voxtral_realtime.session import (
     Steps,
@@ -23,7 +24,6 @@ from runner.families.voxtral_realtime.session import (
     StreamSpec,
     blocks_of,
     run_fed,
-    run_step,
     run_together,
     run_whole,
 )
@@ -49,16 +49,16 @@ __all__ = [
     "blocks_of",
     "program_steps",
     "run_fed",
-    "run_step",
     "run_together",
     "run_whole",
 ]
 
 
 class RealtimeFamily:
+    name = NAME
+    capabilities = Capabilities(streaming=True, windows=False)
     cross_attention = False
     audio_id = None
-    stream_only = True  # `run` refuses it: its methods are the three streaming steps
 
     def __init__(self, tokenizer: Tekken, spec: StreamSpec):
         self.tokenizer, self.spec = tokenizer, spec

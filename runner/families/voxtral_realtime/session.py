@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -25,32 +24,34 @@ from runner.audio import HOP_LENGTH, N_FFT
 from runner.errors import GenerationError
 
 
-class Steps(Protocol):
-    """The three methods over a batch of B streams (B <= streams; row b is state row b)."""
+class Steps:
+    """The three methods over a batch of B streams (B <= streams; row b is state row b): exported, graphed or
+    eager. A subclass gives the methods; `step` and `batch_for` are those of steps run method by method."""
 
     device: str
     streams: int  # state rows
 
-    def preprocess(self, wave: torch.Tensor) -> torch.Tensor: ...  # [B, 1520] f32 -> [B, n_mels, 8] f32
-    def encode(self, mel: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...  # pos [B] -> [B, 1, dim]
-    def decode(self, token, audio, pos, delay) -> torch.Tensor: ...  # [B, 1], [B, 1, dim], [B], [B] -> [B, V] f32
-    def reset(self, rows: list[int] | None = None) -> None: ...  # zero the state of these rows (None: all)
+    def preprocess(self, wave: torch.Tensor) -> torch.Tensor:  # [B, 1520] f32 -> [B, n_mels, 8] f32
+        raise NotImplementedError
 
+    def encode(self, mel: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # pos [B] -> [B, 1, dim]
+        raise NotImplementedError
 
-def run_step(steps: Steps, wave, pos, token, delay) -> torch.Tensor:
-    """One position of every row: the greedy next token [B] int64 (on the device). Steps with a `step` of their
-    own (CUDA graphs of the whole step) run that; others the three methods in turn."""
-    fused = getattr(steps, "step", None)
-    if fused is not None:
-        return fused(wave, pos, token, delay)
-    return steps.decode(token, steps.encode(steps.preprocess(wave), pos), pos, delay).argmax(dim=-1)
+    def decode(self, token, audio, pos, delay) -> torch.Tensor:  # [B, 1], [B, 1, dim], [B], [B] -> [B, V] f32
+        raise NotImplementedError
 
+    def reset(self, rows: list[int] | None = None) -> None:  # zero the state of these rows (None: all)
+        raise NotImplementedError
 
-def batch_size(steps: Steps, rows: int) -> int:
-    """The batch a step of `rows` rows runs at (graphed steps round up to a captured size; the rest are free
-    rows, whose state is cleared when a stream takes them)."""
-    size = getattr(steps, "batch_for", None)
-    return size(rows) if size is not None else rows
+    def step(self, wave, pos, token, delay) -> torch.Tensor:
+        """One position of every row: the greedy next token [B] int64 (on the device), the three methods in
+        turn (GraphSteps replays the whole step as CUDA graphs)."""
+        return self.decode(token, self.encode(self.preprocess(wave), pos), pos, delay).argmax(dim=-1)
+
+    def batch_for(self, rows: int) -> int:
+        """The batch a step of `rows` rows runs at (graphed steps round up to a captured size; the rest are free
+        rows, whose state is cleared when a stream takes them)."""
+        return rows
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ class StreamBatch:
         live = self.live
         if not live or not all(s.ready() for _, s in live):
             return False
-        b = batch_size(self.steps, live[-1][0] + 1)
+        b = self.steps.batch_for(live[-1][0] + 1)
         dev = self.steps.device
         wave = np.zeros((b, self.spec.window), dtype=np.float32)
         pos = np.zeros(b, dtype=np.int64)
@@ -217,8 +218,7 @@ class StreamBatch:
         for r, s in live:
             wave[r], pos[r], prev[r, 0] = s.window(), s.position, s.previous_token()
         t0 = time.perf_counter()
-        tokens = run_step(
-            self.steps,
+        tokens = self.steps.step(
             torch.from_numpy(wave).to(dev),
             torch.from_numpy(pos).to(dev),
             torch.from_numpy(prev).to(dev),

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from runner.errors import GenerationError
+from runner.families.voxtral_realtime.session import Steps
 from runner.runtime.graphs import CaptureError, batch_sizes, capture_graph
 from runner.runtime.program import Method
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 METHODS = ("preprocessor", "encoder_step", "decoder_step")
 
 
-class ProgramSteps:
+class ProgramSteps(Steps):
     """A loaded Program's three methods as Steps."""
 
     def __init__(self, program):
@@ -84,8 +85,8 @@ class _Graphs:
 
 
 class GraphSteps(ProgramSteps):
-    """ProgramSteps whose whole step is replayed from CUDA graphs (a step of the 4B model launches ~1000 kernels:
-    the host's launches would take longer than the GPU's work at batch 1)."""
+    """ProgramSteps whose whole step is replayed from CUDA graphs (a step launches so many kernels that at batch 1
+    the host's launches would take longer than the GPU's work)."""
 
     def __init__(self, program, window: int):
         super().__init__(program)

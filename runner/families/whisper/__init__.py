@@ -13,6 +13,7 @@ from pathlib import Path
 
 from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio
 from runner.errors import AudioError, BundleError, GenerationError
+from runner.families.base import Capabilities
 from runner.families.whisper.tokenizer import TOKENIZER_TYPE, WhisperTokenizer
 from runner.runtime.features import recording_chunks, window_count
 from runner.runtime.generate import AudioSegment, Prompt, TextSegment
@@ -53,6 +54,8 @@ def windows(samples, ids: tuple[int, ...]) -> list[Prompt]:
 
 
 class WhisperFamily:
+    name = NAME
+    capabilities = Capabilities(timestamps=True)
     cross_attention = True
     audio_id = None  # cross-attended: the audio takes no decoder positions
 
@@ -64,10 +67,8 @@ class WhisperFamily:
 
     @classmethod
     def from_bundle(cls, bundle_dir: Path, model: dict) -> WhisperFamily:
-        if "max_recording_chunks" not in model:  # its preprocessor takes one window: per-window features
-            raise BundleError(
-                f"{bundle_dir}: a Whisper bundle from before features over the whole recording; re-export it"
-            )
+        if "max_recording_chunks" not in model:  # its preprocessor's bound, which every Whisper export records
+            raise BundleError(f"{bundle_dir}: model.max_recording_chunks is missing from the manifest")
         vocab = model["config"]["text"]["vocab_size"]
         tok = WhisperTokenizer(Path(bundle_dir) / model["tokenizer"], vocab)
         return cls(tok, bool(model.get("multilingual")), int(model["max_recording_chunks"]))

@@ -1,5 +1,5 @@
 """The waveform's way to the device: zero-padded to whole 30 s chunks there, only the samples crossing, on CUDA
-through a page-locked host buffer kept for the engine's life (HostStaging)."""
+through a page-locked host buffer kept for the engine's life (PinnedHostBuffer)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import torch
 from runner.audio import N_SAMPLES, checked_chunks
 
 
-class HostStaging:
+class PinnedHostBuffer:
     """A page-locked (pinned) float32 host buffer the samples are copied into before their copy to the device,
     which then runs without the host waiting. One per engine, reserved at warm-up for a 30 s chunk and grown to the
-    longest audio seen. Pinning a new tensor per prompt (`Tensor.pin_memory()`) was the largest gap in every
-    profiled TTFT: 0.2-0.3 ms on the fast hosts, 7.8 ms on a slower one (benchmarks/NOTES.md item 69).
+    longest audio seen: pinning a new tensor per prompt (`Tensor.pin_memory()`) was the largest gap in a profiled
+    time to first token.
 
     The buffer is written again only once the device has read it (an event after each copy); where that copy is
     still queued behind other work (the batch scheduler encodes while slots decode), the samples go through a
-    fresh pinned tensor instead, as before, so the host never waits here."""
+    fresh pinned tensor instead, so the host never waits here."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
@@ -50,17 +50,17 @@ class HostStaging:
 
 
 def wave_on_device(
-    samples: np.ndarray, audio_chunks: int, device: str | torch.device, staging: HostStaging | None = None
+    samples: np.ndarray, audio_chunks: int, device: str | torch.device, pinned: PinnedHostBuffer | None = None
 ) -> torch.Tensor:
     """The samples zero-padded to whole 30 s chunks (at most `audio_chunks`: AudioError past them) on the device.
-    The padding is made there and only the samples cross, on CUDA from page-locked memory without the host waiting
-    (padding on the host wrote a copy of the whole waveform first: benchmarks/NOTES.md item 50): through `staging`'s
-    buffer, or without one through a tensor pinned for this call."""
+    The padding is made there and only the samples cross (padding on the host would write a copy of the whole
+    waveform first), on CUDA from page-locked memory without the host waiting: through the `pinned` buffer, or
+    without one through a tensor pinned for this call."""
     dev = torch.device(device)
     n = checked_chunks(len(samples), audio_chunks)
     out = torch.zeros(n * N_SAMPLES, dtype=torch.float32, device=dev)
     if dev.type == "cuda":
-        (staging or HostStaging()).copy_to(out[: len(samples)], samples)
+        (pinned or PinnedHostBuffer()).copy_to(out[: len(samples)], samples)
     else:
         out[: len(samples)].copy_(torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)))
     return out

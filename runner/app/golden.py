@@ -1,0 +1,53 @@
+"""Golden token files (fixtures/golden/*.json): the tokens a bundle must give for each fixture file, read by `run`
+and `stream` alike.
+
+Golden tokens are per model (weights digest) and per device-dtype: another bundle's numerics may legitimately pick
+other tokens, so for those the eager reference is the check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from runner.bundle import Manifest
+from runner.errors import RunnerError
+
+SHAPE = '{"weights_digest": "...", "tokens": {"DEVICE-DTYPE": {"FILE": [ids]}}}'
+
+
+def read_golden(path: Path, manifest: Manifest) -> dict[str, list[int]] | None:
+    """{audio file name: token ids} for this bundle's model, device and dtype; None (with a note on stderr) when
+    the file holds none for them."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
+        raise RunnerError(f"{path}: not a golden-token file ({' '.join(str(e).split())[:200]})") from None
+    by_kind = data.get("tokens") if isinstance(data, dict) else None
+    if not (isinstance(by_kind, dict) and isinstance(data.get("weights_digest"), str)) or not all(
+        isinstance(files, dict)
+        and all(isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids) for ids in files.values())
+        for files in by_kind.values()
+    ):
+        raise RunnerError(f"{path}: not a golden-token file (expected {SHAPE})")
+    kind = device_kind(manifest)
+    if data["weights_digest"] != (manifest.model.get("source") or {}).get("weights_digest") or kind not in by_kind:
+        print(
+            f"note: {path} holds no golden tokens for this model on {kind}; checking against --reference only",
+            file=sys.stderr,
+        )
+        return None
+    return {k: list(v) for k, v in by_kind[kind].items()}
+
+
+def device_kind(manifest: Manifest) -> str:
+    """The key a golden file files a bundle's tokens under."""
+    return f"{manifest.device}-{manifest.dtype}"
+
+
+def golden_mismatch(golden: list[int], ours: list[int]) -> int | None:
+    """The index of the first token where ours and the golden ones differ, or None. Compared as a prefix, over
+    the tokens both have, so any --max-new-tokens can be checked. Stopping early at </s> is no free pass: the
+    </s> is one of our tokens, compared with the golden token at its index."""
+    return next((i for i, (a, b) in enumerate(zip(golden, ours)) if a != b), None)

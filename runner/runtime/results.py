@@ -14,6 +14,31 @@ from runner.stats import Stats, now_ms
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A stretch of a file's transcript with its times (seconds from the start of the file), as openai-whisper's
+    `transcribe` gives them: from timestamp tokens where the family has them, else the window's bounds."""
+
+    start: float
+    end: float
+    text: str
+    tokens: tuple[int, ...]
+    avg_logprob: float | None = None
+    no_speech_prob: float | None = None
+    temperature: float | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "start": self.start,
+            "end": self.end,
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "avg_logprob": self.avg_logprob,
+            "no_speech_prob": self.no_speech_prob,
+            "temperature": self.temperature,
+        }
+
+
+@dataclass(frozen=True)
 class WindowResult:
     """One prompt window of a result: its own text, token count, stop reason and stats."""
 

@@ -6,9 +6,11 @@ module needs no torch. The constants below are the ones every other module deriv
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from runner.errors import AudioError
@@ -38,16 +40,17 @@ _WAV_CODECS = {0x0001, 0x0002, 0x0003, 0x0006, 0x0007, 0x0011, 0x0031, 0x0040, 0
 
 
 def load_audio(path: str | os.PathLike) -> np.ndarray:
-    """Read wav/flac/ogg into float32 mono at SAMPLE_RATE: channels averaged, any other rate resampled (soxr).
+    """Read an audio file into float32 mono at SAMPLE_RATE: channels averaged, any other rate resampled (soxr).
 
-    Raises AudioError, one line naming the file, for anything that is not complete, finite audio.
+    libsndfile reads what it can (wav, flac, ogg, mp3, aiff: the fast path, no copy beyond its own read); PyAV
+    (ffmpeg) reads the rest: m4a/AAC, the audio track of mp4/mov/mkv (video ignored), webm/Opus, anything ffmpeg
+    demuxes. Raises AudioError, one line naming the file, for anything that is not complete, finite audio.
     Silence is valid audio.
     """
     import numpy as np
 
     # Imported here, not at the top: the constants and chunking must also work where only torch is installed
     # (the export machine imports them through runner/export/mel.py).
-    import soundfile as sf
     import soxr
 
     path = os.fspath(path)
@@ -59,25 +62,8 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
         raise AudioError(f"audio file is empty (0 bytes): {path}")
     _check_wav_not_truncated(path)
 
-    try:
-        with sf.SoundFile(os.fsencode(path)) as f:  # bytes: a name that is not UTF-8 (soundfile encodes str so)
-            declared, sr = f.frames, f.samplerate
-            _check_plausible(path, sr, declared, f.channels)  # before read() allocates what the header claims
-            data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
-    except sf.LibsndfileError as e:
-        tag = _wav_format_tag(path)
-        if tag is not None and tag not in _WAV_CODECS:  # libsndfile only says "Malformed 'fmt ' chunk"
-            raise AudioError(
-                f"unsupported WAV codec (format tag 0x{tag:04x}): {path}; convert it to PCM WAV, FLAC or Ogg"
-            ) from None
-        what = "not a readable audio file" if "Error opening" in str(e) else "truncated or corrupt audio"
-        raise AudioError(f"{what}: {path} ({_one_line(e)})") from None
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise AudioError(f"cannot read audio file: {path} ({_one_line(e)})") from None
-
-    # libsndfile can stop early on a damaged stream without raising; a short read means the file lies.
-    if len(data) < declared:
-        raise AudioError(f"truncated audio file: {path} (read {len(data)} of {declared} frames)")
+    read = _read_soundfile(path)
+    data, sr = read if read is not None else _read_av(path)
     if len(data) == 0:
         raise AudioError(f"audio file has no samples (empty or truncated): {path}")
     if not np.isfinite(data).all():
@@ -94,6 +80,134 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
     if not np.isfinite(wave).all():  # resampling samples near the float32 limit can overflow
         raise AudioError(f"audio file has samples too large to process (peak {np.abs(data).max():.3g}): {path}")
     return np.ascontiguousarray(wave, dtype=np.float32)
+
+
+def _read_soundfile(path: str) -> tuple[np.ndarray, int] | None:
+    """[frames, channels] float32 samples and their rate by libsndfile; None for a container it does not know
+    (or a WAV codec it lacks), which PyAV then tries."""
+    import soundfile as sf
+
+    try:
+        with sf.SoundFile(os.fsencode(path)) as f:  # bytes: a name that is not UTF-8 (soundfile encodes str so)
+            declared, sr, estimated = f.frames, f.samplerate, f.format == "MP3"
+            _check_plausible(path, sr, declared, f.channels)  # before read() allocates what the header claims
+            data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
+    except sf.LibsndfileError as e:
+        if "Error opening" in str(e) or _wav_format_tag(path) not in (None, *_WAV_CODECS):
+            return None  # "Format not recognised" / "Malformed 'fmt ' chunk": not libsndfile's to read
+        raise AudioError(f"truncated or corrupt audio: {path} ({_one_line(e)})") from None
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise AudioError(f"cannot read audio file: {path} ({_one_line(e)})") from None
+    # libsndfile can stop early on a damaged stream without raising; a short read means the file lies. Not for
+    # MP3, whose frame count libsndfile only estimates (a sox-written mp3 at 22.05 kHz: 249 frames over; ffmpeg
+    # decodes exactly the frames libsndfile read).
+    if len(data) < declared and not estimated:
+        raise AudioError(f"truncated audio file: {path} (read {len(data)} of {declared} frames)")
+    return data, sr
+
+
+def _read_av(path: str) -> tuple[np.ndarray, int]:
+    """[frames, channels] float32 samples of the first audio track and its rate, decoded by PyAV (ffmpeg), as
+    faster-whisper reads audio, but without its resampler: the samples are converted exactly as libsndfile
+    converts them (int16 / 32768, ...), so the mix-down and soxr resampling are the same for both readers."""
+    import av
+
+    with contextlib.ExitStack() as stack:
+        try:
+            try:
+                container = stack.enter_context(av.open(path, metadata_errors="ignore"))
+            except UnicodeError:  # a name that is not UTF-8: ffmpeg takes the open file instead
+                file = stack.enter_context(open(path, "rb"))
+                container = stack.enter_context(av.open(file, metadata_errors="ignore"))
+        except av.error.FFmpegError as e:
+            raise _unreadable(path, None, e) from None
+        if not container.streams.audio:
+            kinds = ", ".join(sorted({s.type for s in container.streams})) or "none"
+            raise AudioError(
+                f"no audio track in {path} (container: {_container_name(path, container)}; streams: {kinds})"
+            )
+        stream = container.streams.audio[0]
+        if stream.codec_context is None:  # a track in a codec this ffmpeg has no decoder for
+            raise _unreadable(path, container, "no decoder for its audio codec")
+        if stream.duration is not None and stream.time_base is not None and stream.rate:
+            _check_plausible(path, stream.rate, int(stream.duration * stream.time_base * stream.rate), 1)
+        try:
+            data, sr = _decode_av(path, container, stream)
+        except av.error.FFmpegError as e:
+            raise AudioError(f"truncated or corrupt audio: {path} (ffmpeg: {e.strerror})") from None
+        if sr is None:  # ffmpeg guessed a container from the name or a few bytes, and decoded nothing
+            raise _unreadable(path, container, "no audio decoded")
+    return data, sr
+
+
+def _decode_av(path: str, container, stream) -> tuple[np.ndarray, int | None]:
+    """Every frame of `stream` as float32 [frames, channels]; its rate (None when no frame decoded)."""
+    import numpy as np
+
+    blocks, sr, channels, total = [], None, None, 0
+    for frame in container.decode(stream):
+        shape = (frame.sample_rate, frame.layout.nb_channels)
+        if sr is None:
+            sr, channels = shape
+            _check_plausible(path, sr, 0, channels)
+        elif shape != (sr, channels):
+            raise AudioError(f"audio changes rate or channels mid-stream ({sr} Hz x {channels} to "
+                             f"{shape[0]} Hz x {shape[1]}): {path}")  # fmt: skip
+        block = _frame_samples(frame, channels)
+        total += len(block)
+        _check_plausible(path, sr, total, channels)  # a stream longer than its header said (or had none)
+        blocks.append(block)
+    data = np.concatenate(blocks) if blocks else np.zeros((0, 1), np.float32)
+    return data, sr
+
+
+# ffmpeg's sample formats by numpy dtype: integers scaled as libsndfile scales them to float (x / 2^(bits-1))
+_INT_SCALE = {"int16": 1 / 32768, "int32": 1 / 2**31, "int64": 1 / 2**63}
+
+
+def _frame_samples(frame, channels: int) -> np.ndarray:
+    """One decoded frame as float32 [samples, channels]."""
+    import numpy as np
+
+    a = frame.to_ndarray()  # planar: [channels, samples]; packed: [1, samples * channels]
+    a = a.T if frame.format.is_planar else a.reshape(-1, channels)
+    if a.dtype == np.uint8:
+        return ((a.astype(np.float32) - 128) / 128).astype(np.float32)
+    if a.dtype.name in _INT_SCALE:
+        return (a.astype(np.float64) * _INT_SCALE[a.dtype.name]).astype(np.float32)
+    return a.astype(np.float32)
+
+
+# The first bytes of the containers people have, to name what a file is when nothing could read it.
+_MAGIC = (
+    (0, b"RIFF", "RIFF (WAV)"), (0, b"RF64", "RF64 (WAV)"), (0, b"fLaC", "FLAC"), (0, b"OggS", "Ogg"),
+    (0, b"ID3", "MP3 (ID3 tag)"), (4, b"ftyp", "MP4/M4A/MOV"), (0, b"\x1aE\xdf\xa3", "Matroska/WebM"),
+    (0, b"FORM", "AIFF"), (0, b".snd", "AU"), (0, b"caff", "CAF"), (0, b"0&\xb2u", "ASF (WMA)"),
+)  # fmt: skip
+
+
+def _container_name(path: str, container=None) -> str:
+    """The container a file's first bytes say it is, else ffmpeg's guess, else that none was recognised."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    for offset, magic, name in _MAGIC:
+        if head[offset : offset + len(magic)] == magic:
+            return name
+    if container is not None:
+        return f"{container.format.name} (ffmpeg's guess)"
+    return "none recognised"
+
+
+def _unreadable(path: str, container, why: str | Exception) -> AudioError:
+    from av.error import FFmpegError as av_error
+
+    detail = f"ffmpeg: {why.strerror}" if isinstance(why, av_error) else why
+    tag = _wav_format_tag(path)
+    if tag is not None and tag not in _WAV_CODECS:  # libsndfile only says "Malformed 'fmt ' chunk"
+        return AudioError(
+            f"unsupported WAV codec (format tag 0x{tag:04x}): {path}; convert it to PCM WAV, FLAC or Ogg ({detail})"
+        )
+    return AudioError(f"not a readable audio file: {path} (container: {_container_name(path, container)}; {detail})")
 
 
 def num_chunks(num_samples: int) -> int:
@@ -173,6 +287,89 @@ def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
     out = np.zeros(n * N_SAMPLES, dtype=np.float32)
     out[: len(wave)] = wave
     return out
+
+
+# ---------------------------------------------------------------- a WAV stream (stdin): header, then blocks
+
+# numpy dtypes of the WAV sample encodings a stream may carry, by (format tag, bits per sample)
+_WAV_STREAM_DTYPES = {(1, 8): "u1", (1, 16): "<i2", (1, 24): "i3", (1, 32): "<i4", (3, 32): "<f4", (3, 64): "<f8"}
+
+
+def is_wav_header(head: bytes) -> bool:
+    """Whether a stream's first 12 bytes are a RIFF/WAVE header (raw PCM never starts so)."""
+    return len(head) >= 12 and head[:4] == b"RIFF" and head[8:12] == b"WAVE"
+
+
+def wav_stream_blocks(read, block: int, name: str = "stdin") -> Iterator[np.ndarray]:
+    """Float32 mono SAMPLE_RATE blocks of a WAV stream whose 12-byte RIFF header was already read: the chunks up
+    to `data` are parsed, then its samples are read `block` frames at a time and mixed and resampled exactly as
+    load_audio does a file (mean over channels in float64; soxr's stream resampler, which gives the samples
+    soxr.resample gives a whole file). A streaming writer's unknown data size reads to the end of the stream."""
+    import numpy as np
+    import soxr
+
+    tag, channels, rate, bits, size = _wav_stream_header(read, name)
+    dtype = _WAV_STREAM_DTYPES.get((tag, bits))
+    if dtype is None:
+        raise AudioError(f"unsupported WAV encoding on {name} (format tag 0x{tag:04x}, {bits} bits); pipe PCM or "
+                         "float WAV")  # fmt: skip
+    _check_plausible(name, rate, 0, channels)
+    width = bits // 8 * channels
+    resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32") if rate != SAMPLE_RATE else None
+    left = None if size in _WAV_UNKNOWN_SIZES else size
+    tail = b""
+    while left is None or left > 0:
+        chunk = read(block * width if left is None else min(block * width, left))
+        last = not chunk
+        if chunk:
+            left = None if left is None else left - len(chunk)
+            data, cut = tail + chunk, len(tail + chunk) // width * width  # a frame split across reads waits
+            data, tail = data[:cut], data[cut:]
+            wave = _wav_frames(np.frombuffer(data, np.uint8), dtype, channels)
+        else:
+            wave = np.zeros(0, np.float32)
+        last = last or left == 0
+        if resampler is not None:
+            wave = resampler.resample_chunk(wave, last=last)
+        if len(wave):
+            yield wave
+        if last:
+            return
+
+
+def _wav_stream_header(read, name: str) -> tuple[int, int, int, int, int]:
+    """(format tag, channels, rate, bits, data size) from the chunks after RIFF/WAVE, stopping at `data`."""
+    fmt = None
+    while len(hdr := read(8)) == 8:
+        chunk_id, size = struct.unpack("<4sI", hdr)
+        if chunk_id == b"data":
+            if fmt is None:
+                break
+            return (*fmt, size)
+        body = read(size + (size & 1))
+        if chunk_id == b"fmt " and len(body) >= 16:
+            tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
+            if tag == 0xFFFE and len(body) >= 26:  # extensible: the real tag opens the sub-format GUID
+                tag = struct.unpack("<H", body[24:26])[0]
+            fmt = (tag, channels, rate, bits)
+    raise AudioError(f"WAV header on {name} has no {'data' if fmt else 'fmt '} chunk before the stream ended")
+
+
+def _wav_frames(raw: np.ndarray, dtype: str, channels: int) -> np.ndarray:
+    """Interleaved little-endian samples as float32 mono, scaled as libsndfile scales them and mixed by mean."""
+    import numpy as np
+
+    if dtype == "i3":  # 24-bit: each sample's 3 bytes under a zero byte make an int32 of 256x the value
+        wide = np.zeros((len(raw) // 3, 4), np.uint8)
+        wide[:, 1:] = raw.reshape(-1, 3)
+        x = wide.view("<i4")[:, 0].astype(np.float64) / 2**31
+    elif dtype == "u1":
+        x = (raw.astype(np.float64) - 128) / 128
+    else:
+        x = np.frombuffer(raw.tobytes(), dtype)
+        x = x.astype(np.float64) * _INT_SCALE[x.dtype.name] if x.dtype.kind == "i" else x
+    frames = x.astype(np.float32).reshape(-1, channels)
+    return frames.mean(axis=1, dtype=np.float64).astype(np.float32) if channels > 1 else frames[:, 0]
 
 
 def _check_plausible(path: str, sr: int, frames: int, channels: int) -> None:

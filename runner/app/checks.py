@@ -11,7 +11,7 @@ import torch
 
 from runner.app import wer
 from runner.app.e2e_summary import md_text
-from runner.app.golden import device_kind, golden_mismatch, read_golden
+from runner.app.golden import golden_mismatch, read_golden
 from runner.app.run_args import RunOptions
 from runner.bundle import Manifest
 from runner.dtypes import torch_dtype
@@ -76,7 +76,9 @@ class EagerReference(ResultCheck):
         return cls(runner, generation, torch_dtype(program.manifest.dtype))
 
     def check(self, done: JobResult) -> Verdict:
-        rep = compare_with_reference(self.reference, done.job.windows, done.result, self.generation, self.dtype)
+        rep = compare_with_reference(
+            self.reference, done.result.prompts or done.job.windows, done.result, self.generation, self.dtype
+        )
         first = "match" if rep.first_divergence is None else f"first divergence at token {rep.first_divergence}"
         line = (
             f"eager reference: {first}, max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
@@ -144,26 +146,19 @@ class ExpectedText(ResultCheck):
 
 class GoldenTokens(ResultCheck):
     """`--expect-tokens GOLDEN`: the tokens equal the golden file's for this model, device and dtype, as a prefix.
-    A golden file without this bundle's kind checks nothing (the summary says so)."""
+    A golden file without this bundle's model, device and dtype stops the run before any file (read_golden)."""
 
     column = "golden"
 
-    def __init__(self, path: Path, golden: dict[str, list[int]] | None, kind: str):
+    def __init__(self, path: Path, golden: dict[str, list[int]]):
         self.path, self.golden = path, golden
         self.described = f"golden tokens `{Path(path).name}`"
-        if golden is None:
-            self.notes = (
-                f"golden tokens: `{Path(path).name}` has none for this model on {kind}; checked against the eager "
-                "reference only",
-            )
 
     @classmethod
     def read(cls, path: Path, manifest: Manifest) -> GoldenTokens:
-        return cls(path, read_golden(path, manifest), device_kind(manifest))
+        return cls(path, read_golden(path, manifest))
 
     def check(self, done: JobResult) -> Verdict:
-        if self.golden is None:
-            return Verdict(self.column)
         name, tokens = Path(done.job.key).name, done.result.tokens
         want = self.golden.get(name)
         if want is None:
@@ -179,6 +174,8 @@ def build_checks(
 ) -> list[ResultCheck]:
     """The checks asked for, in the order each file's are made (and its failures listed)."""
     checks: list[ResultCheck] = []
+    # read first: a golden file that cannot check this bundle stops the run before the eager model loads
+    golden = GoldenTokens.read(options.expect_tokens, program.manifest) if options.expect_tokens else None
     if options.reference == "eager":
         checks.append(EagerReference.load(program, family, generation))
     if options.max_wer is not None and not options.wer:
@@ -187,6 +184,6 @@ def build_checks(
         checks.append(WordErrorRate(options.wer, wer.read_references(options.wer), options.max_wer))
     if options.expect:
         checks.append(ExpectedText(options.expect))
-    if options.expect_tokens:
-        checks.append(GoldenTokens.read(options.expect_tokens, program.manifest))
+    if golden is not None:
+        checks.append(golden)
     return checks

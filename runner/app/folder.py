@@ -14,35 +14,26 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runner.app.writers import OutputOptions, check_targets
 from runner.errors import RunnerError
 
-# The suffixes of the formats libsndfile reads, by the format name soundfile.available_formats() reports; the
-# ones this libsndfile lacks (MP3 before 1.1) are left out. The other formats it names (MAT5, HTK, RAW, ...) are
-# not recordings anyone keeps in a folder of speech, and RAW has no header to read a rate from.
-SUFFIXES_BY_FORMAT = {
-    "WAV": (".wav",),
-    "WAVEX": (".wav",),
-    "FLAC": (".flac",),
-    "OGG": (".ogg", ".oga", ".opus"),
-    "MP3": (".mp3",),
-    "AIFF": (".aiff", ".aif", ".aifc"),
-    "AU": (".au", ".snd"),
-    "CAF": (".caf",),
-    "W64": (".w64",),
-    "RF64": (".rf64",),
-}
+# The suffixes of what load_audio reads: libsndfile's formats (wav, flac, ogg/opus, mp3, aiff, au, caf, w64, rf64)
+# and the containers ffmpeg (PyAV) reads recordings from: AAC/ALAC in m4a, a video's audio track (mp4, mov, mkv,
+# webm, 3gp), Matroska audio, raw AAC/AC-3, WMA, AMR. --audio takes any file ffmpeg reads; a folder lists these.
+AUDIO_SUFFIXES = frozenset(
+    ".wav .wave .flac .ogg .oga .opus .mp3 .aiff .aif .aifc .au .snd .caf .w64 .rf64 "
+    ".m4a .m4b .mp4 .m4v .mov .3gp .webm .mkv .mka .aac .ac3 .wma .asf .amr".split()
+)
 MAX_NOTES = 5  # unreadable lines of --out named one by one; the rest counted
 
 
 def audio_suffixes() -> frozenset[str]:
-    import soundfile as sf  # the library that will read them says which it can
-
-    formats = sf.available_formats()
-    return frozenset(s for name, suffixes in SUFFIXES_BY_FORMAT.items() if name in formats for s in suffixes)
+    return AUDIO_SUFFIXES
 
 
 # ---------------------------------------------------------------- which files
@@ -59,18 +50,35 @@ def list_dir(root: Path, recursive: bool, suffixes: frozenset[str]) -> list[Path
     def refuse(e: OSError) -> None:  # a folder we cannot list would silently leave its files out
         raise RunnerError(f"--audio-dir {root}: cannot list {e.filename or root} ({e.strerror or e})")
 
-    found, subdirs = [], 0
+    found, subdirs, skipped = [], 0, Counter()
     # followlinks=False: a link back up the tree would loop; linked files are followed (they are files)
     for here, dirs, files in os.walk(root, onerror=refuse):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         subdirs += len(dirs)
-        found += [Path(here) / f for f in files if not f.startswith(".") and Path(f).suffix.lower() in suffixes]
+        for f in files:
+            kind = "hidden" if f.startswith(".") else Path(f).suffix.lower() or "no extension"
+            if kind in suffixes:
+                found.append(Path(here) / f)
+            else:
+                skipped[kind] += 1
         if not recursive:
             break
     if not found:
         hint = f"; it has {subdirs} subfolder(s): add --recursive to look in them" if subdirs and not recursive else ""
         raise RunnerError(f"--audio-dir {root}: no audio files ({', '.join(sorted(suffixes))}){hint}")
+    if skipped:
+        print(f"note: --audio-dir {root}: {skipped_line(skipped)}", file=sys.stderr)
     return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def skipped_line(skipped: Counter) -> str:
+    """What a folder listing left out and why, in one line: 'skipped 4 file(s): 3 .txt, 1 .jpg (not audio file
+    names) and 2 hidden (names starting with ".")'."""
+    hidden = skipped.pop("hidden", 0)
+    others = ", ".join(f"{n} {kind}" for kind, n in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+    parts = [f"{others} (not audio file names)"] if others else []
+    parts += [f'{hidden} hidden (names starting with ".")'] if hidden else []
+    return f"skipped {sum(skipped.values()) + hidden} file(s): {' and '.join(parts)}"
 
 
 def read_list(path: Path) -> list[Path]:
@@ -344,7 +352,20 @@ class FilePlan:
 
 
 def prepare(args: argparse.Namespace) -> FilePlan:
-    """The files, the --batch and --out checks and what --out already holds: all before the program loads."""
+    """The files, the --batch and --out checks, what --out already holds and whether --output-dir's files may be
+    written: all before the program loads."""
+    plan = _plan(args)
+    outputs = OutputOptions.parse(args.output_format, args.output_dir, args.force)
+    if outputs is not None:
+        try:
+            check_targets(plan.todo, outputs)
+        except BaseException:
+            plan.close()
+            raise
+    return plan
+
+
+def _plan(args: argparse.Namespace) -> FilePlan:
     if args.batch < 1:
         raise RunnerError(f"--batch {args.batch}: must be at least 1 (1: one file after another)")
     paths = collect(args, unique=args.out is not None)

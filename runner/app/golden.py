@@ -2,13 +2,13 @@
 and `stream` alike.
 
 Golden tokens are per model (weights digest) and per device-dtype: another bundle's numerics may legitimately pick
-other tokens, so for those the eager reference is the check.
+other tokens, so for those the eager reference is the check (`--reference eager`), and `--expect-tokens` with a file
+that holds none for the bundle fails rather than checking nothing.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from runner.bundle import Manifest
@@ -17,9 +17,9 @@ from runner.errors import RunnerError
 SHAPE = '{"weights_digest": "...", "tokens": {"DEVICE-DTYPE": {"FILE": [ids]}}}'
 
 
-def read_golden(path: Path, manifest: Manifest) -> dict[str, list[int]] | None:
-    """{audio file name: token ids} for this bundle's model, device and dtype; None (with a note on stderr) when
-    the file holds none for them."""
+def read_golden(path: Path, manifest: Manifest) -> dict[str, list[int]]:
+    """{audio file name: token ids} for this bundle's model, device and dtype. A file without them is an error:
+    `--expect-tokens` asks for a check, and a check that cannot run must not pass as one."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8
@@ -31,13 +31,19 @@ def read_golden(path: Path, manifest: Manifest) -> dict[str, list[int]] | None:
         for files in by_kind.values()
     ):
         raise RunnerError(f"{path}: not a golden-token file (expected {SHAPE})")
-    kind = device_kind(manifest)
-    if data["weights_digest"] != (manifest.model.get("source") or {}).get("weights_digest") or kind not in by_kind:
-        print(
-            f"note: {path} holds no golden tokens for this model on {kind}; checking against --reference only",
-            file=sys.stderr,
+    ours = (manifest.model.get("source") or {}).get("weights_digest")
+    if data["weights_digest"] != ours:
+        raise RunnerError(
+            f"{path}: golden tokens of another model (weights digest {data['weights_digest'][:12]}, this bundle's "
+            f"{str(ours)[:12]}): --expect-tokens cannot check this bundle"
         )
-        return None
+    kind = device_kind(manifest)
+    if kind not in by_kind:
+        has = ", ".join(sorted(by_kind)) or "none"
+        raise RunnerError(
+            f"{path}: no golden tokens for this model on {kind} (it has {has}): --expect-tokens cannot check "
+            "this bundle; leave it out, or check with --reference eager"
+        )
     return {k: list(v) for k, v in by_kind[kind].items()}
 
 

@@ -16,9 +16,10 @@ from runner.app.checks import Totals, Verdict
 from runner.app.e2e_summary import E2ESummary, FileRow, md_text
 from runner.app.folder import Progress, ResultsFile
 from runner.app.run_args import RunOptions
+from runner.app.writers import TranscriptWriter, transcript
 from runner.errors import RunnerError
 from runner.runtime.batch import JobResult
-from runner.runtime.generate import GenerationResult
+from runner.runtime.results import GenerationResult, Segment
 
 MAX_ERROR_LINES = 10  # with --out, the check failures listed at the end (each bad file's is its record)
 ERROR_CELL = 120  # characters of an error in the summary's text cell
@@ -37,6 +38,8 @@ class Reporter:
         self.text_out = sys.stderr if options.json else sys.stdout  # with --json, stdout carries only JSON lines
         self.failures: list[str] = []
         self.announced: set[str] = set()  # failures already printed as they happened
+        self.writer = TranscriptWriter(options.outputs) if options.outputs is not None else None
+        self.language = options.language
 
     # ------------------------------------------------ as files start and finish
 
@@ -81,6 +84,9 @@ class Reporter:
         if len(result.parts) > 1 and not self.json and not self.quiet:
             for line in window_lines(result):
                 print(line, file=sys.stderr)
+        for line in window_warnings(path, result):
+            self.say(line)
+            self.summary.notes.append(f"- {md_text(line)}")  # a list: markdown would run lines together
 
     def file_checked(self, done: JobResult, verdicts: list[Verdict]) -> None:
         """A finished file's checks, summary row, stats and record."""
@@ -103,6 +109,20 @@ class Reporter:
             for line in result.stats.human_lines():
                 print(line, file=sys.stderr)
         self._emit(record)
+        self._write_files(path, record)
+
+    def _write_files(self, path: Path, record: dict) -> None:
+        """--output-format's files for this input; a file we may not replace fails this input, not the run."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.write(path, transcript(record["text"], record["segments"], self.language))
+        except (RunnerError, OSError) as e:
+            msg = str(e) if isinstance(e, RunnerError) else f"{path}: writing its transcript files: {e}"
+            self.failures.append(msg)
+            if self.progress is not None:
+                self.say(f"error: {msg}")
+                self.announced.add(msg)
 
     def _emit(self, record: dict) -> None:
         if self.out is not None:
@@ -168,28 +188,68 @@ def file_record(path: Path, result: GenerationResult) -> dict:
         "tokens": result.tokens,
         "stop_reason": result.stop_reason,
         "stats": result.stats.to_dict(),
+        "segments": [s.to_dict() for s in segments_of(result)],
         "windows": window_records(result),
     }
 
 
-def window_records(result: GenerationResult) -> list[dict]:
-    """Each prompt window's own record: where it lies in the audio, its text, tokens, stop reason and stats.
-    Windows are consecutive, so each starts where the one before ends."""
+def window_bounds(result: GenerationResult) -> list[tuple[float, float]]:
+    """Each window's start and end in the file, in seconds to the millisecond: windows are consecutive, so each
+    starts where the one before ends."""
     out, start = [], 0.0
-    for part, tokens in zip(result.parts, result.window_tokens()):
+    for part in result.parts:
         end = start + part.stats.audio_seconds
-        out.append(
-            {
-                "start_s": round(start, 3),
-                "end_s": round(end, 3),
-                "text": part.text,
-                "tokens": tokens,
-                "stop_reason": part.stop_reason,
-                "stats": part.stats.to_dict(),
-            }
-        )
+        out.append((round(start, 3), round(end, 3)))
         start = end
     return out
+
+
+def segments_of(result: GenerationResult) -> tuple[Segment, ...]:
+    """The result's own segments (from timestamp tokens), else one per window at its bounds: a family without
+    timestamp tokens knows no finer times, and none are made up. A window judged silent has none."""
+    if result.segments:
+        return result.segments
+    if not result.parts:  # a result not cut into windows: the whole file is its one stretch
+        whole = Segment(0.0, round(result.stats.audio_seconds, 3), result.text, tuple(result.tokens))
+        return (whole,) if result.text.strip() else ()
+    return tuple(
+        Segment(start, end, part.text, tuple(tokens), temperature=part.temperature)
+        for part, tokens, (start, end) in zip(result.parts, result.window_tokens(), window_bounds(result))
+        if part.text.strip() and not part.silent
+    )
+
+
+def window_records(result: GenerationResult) -> list[dict]:
+    """Each prompt window's own record: where it lies in the audio, its text, tokens, stop reason and stats, and
+    what its decoding went through (temperature, fallbacks, silent) where the family judged it."""
+    return [
+        {
+            "start_s": start,
+            "end_s": end,
+            "text": part.text,
+            "tokens": tokens,
+            "stop_reason": part.stop_reason,
+            "stats": part.stats.to_dict(),
+            **part.outcome(),
+        }
+        for part, tokens, (start, end) in zip(result.parts, result.window_tokens(), window_bounds(result))
+    ]
+
+
+def window_warnings(path: Path, result: GenerationResult) -> list[str]:
+    """A line for each window whose text was dropped as silence or kept only from a fallback temperature: the
+    transcript may miss or garble what was said there."""
+    lines = []
+    for i, (part, (start, end)) in enumerate(zip(result.parts, window_bounds(result)), 1):
+        where = f"{path}: window {i}/{len(result.parts)} ({start:.1f}-{end:.1f} s)"
+        if part.silent:
+            lines.append(f"warning: {where} judged silent (no speech, and its text too unlikely to keep)")
+        elif part.fallbacks and part.temperature is not None:
+            lines.append(
+                f"warning: {where} decoded only at temperature {part.temperature:g}, after {part.fallbacks} "
+                "fallback(s): its decodes at lower temperatures were judged implausible; check what it says"
+            )
+    return lines
 
 
 def window_lines(result: GenerationResult) -> list[str]:

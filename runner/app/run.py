@@ -80,6 +80,11 @@ def generation_options(options: RunOptions) -> GenerationOptions:
         seed=options.seed,
         min_new_tokens=options.min_new_tokens,
         record_logits=options.reference is not None,
+        temperature_increment_on_fallback=options.temperature_increment_on_fallback,
+        compression_ratio_threshold=options.compression_ratio_threshold,
+        logprob_threshold=options.logprob_threshold,
+        no_speech_threshold=options.no_speech_threshold,
+        condition_on_previous_text=options.condition_on_previous_text,
     )
 
 

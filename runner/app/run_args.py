@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.app.options import add_runtime_flags
+from runner.app.writers import FORMATS, OutputOptions
 from runner.runtime.options import RuntimeOptions
 
 
@@ -26,6 +27,12 @@ class RunOptions:
     top_p: float = 1.0
     seed: int | None = None
     min_new_tokens: int = 0
+    # long-form decoding (Whisper), openai-whisper's `transcribe` defaults
+    temperature_increment_on_fallback: float | None = 0.2
+    compression_ratio_threshold: float | None = 2.4
+    logprob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+    condition_on_previous_text: bool = True
     # the checks
     reference: str | None = None  # "eager": compare with the eager model on the bundle's weights
     expect: str | None = None
@@ -33,6 +40,7 @@ class RunOptions:
     wer: Path | None = None
     max_wer: float | None = None
     step_summary: Path | None = None  # the job summary the e2e table is appended to
+    outputs: OutputOptions | None = None  # --output-format/--output-dir: transcript files, one per input
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
@@ -47,12 +55,18 @@ class RunOptions:
             top_p=args.top_p,
             seed=args.seed,
             min_new_tokens=args.min_new_tokens,
+            temperature_increment_on_fallback=args.temperature_increment_on_fallback,
+            compression_ratio_threshold=args.compression_ratio_threshold,
+            logprob_threshold=args.logprob_threshold,
+            no_speech_threshold=args.no_speech_threshold,
+            condition_on_previous_text=args.condition_on_previous_text,
             reference=args.reference,
             expect=args.expect,
             expect_tokens=args.expect_tokens,
             wer=args.wer,
             max_wer=args.max_wer,
             step_summary=args.env.step_summary,
+            outputs=OutputOptions.parse(args.output_format, args.output_dir, args.force),
         )
 
 
@@ -118,6 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-new-tokens", type=int, default=0, help="ignore </s> until this many tokens")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per audio file on stdout")
+    add_long_form_flags(p)
+    add_output_flags(p)
     add_runtime_flags(p)
     p.add_argument(
         "--reference",
@@ -142,3 +158,60 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-wer", type=float, default=None, help="with --wer: fail if the total WER is above this (0.2 = 20%%)"
     )
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--output-format",
+        choices=[*FORMATS, "all"],
+        default=None,
+        help="write each input's transcript to a file named after it, in openai-whisper's formats: txt, vtt or "
+        "srt subtitles, tsv (start and end in ms, text), json ({text, segments, language}), or all of them "
+        "(default with --output-dir: all)",
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the folder --output-format's files go to (default with --output-format: the current folder); a file "
+        "there that this runner did not write is refused before anything runs",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="--output-dir: replace files there that this runner did not write (or that were changed since)",
+    )
+
+
+def _threshold(text: str) -> float | None:
+    """A number, or "none": the check is off."""
+    return None if text.lower() == "none" else float(text)
+
+
+def add_long_form_flags(p: argparse.ArgumentParser) -> None:
+    """openai-whisper's `transcribe` options, with its defaults (Whisper; other families ignore them)."""
+    g = p.add_argument_group("long-form decoding (Whisper, as openai-whisper's transcribe)")
+    g.add_argument(
+        "--temperature-increment-on-fallback", type=_threshold, default=0.2, metavar="T",
+        help="a window whose text is judged implausible (below) is decoded again this much hotter, up to 1.0 "
+        '(default 0.2; 0 or "none": never)',
+    )  # fmt: skip
+    g.add_argument(
+        "--compression-ratio-threshold", type=_threshold, default=2.4, metavar="R",
+        help='fall back when a window\'s text compresses better than this (repetition; default 2.4; "none": off)',
+    )  # fmt: skip
+    g.add_argument(
+        "--logprob-threshold", type=_threshold, default=-1.0, metavar="L",
+        help='fall back when a window\'s average token log-probability is below this (default -1.0; "none": off)',
+    )  # fmt: skip
+    g.add_argument(
+        "--no-speech-threshold", type=_threshold, default=0.6, metavar="P",
+        help="a window whose no-speech probability is above this, with a log-probability below "
+        '--logprob-threshold, is silence and skipped (default 0.6; "none": off)',
+    )  # fmt: skip
+    g.add_argument(
+        "--no-condition-on-previous-text", dest="condition_on_previous_text", action="store_false",
+        help="decode each window without the text before it as its prompt (fewer repetition loops, less "
+        "consistent style)",
+    )  # fmt: skip

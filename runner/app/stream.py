@@ -5,13 +5,15 @@
 concurrent streams: fed in lockstep, one block each at a time, and stepped together in one batched call of each
 method (stream i in the bundle's state row i; more files than its `max_streams` slots wait for a free one). The
 end of a stream is flushed (right padding, as for a whole file), so its tokens equal a whole-file run's alone.
-One stream's text is printed as each token is decided, several streams' each as its stream ends. Stats (stderr, or
+One stream's text is printed as each token is decided, several streams' each as its stream ends. The JSON record
+(`--json`) gives each token's start and end (`token_times`) and the `segments` with their `words`, in seconds from
+the start of the stream: the audio each token was decided on, less the model's delay. Stats (stderr, or
 the JSON record's `stats`): per-step latency p50/p99, how long after its audio arrived each token was decided, the
 model's own delay, and the real-time factor. On CUDA the step is replayed from CUDA graphs (`--no-cuda-graph`:
 method by method).
 
 The checks the e2e job relies on: `--expect-tokens GOLDEN` (every token equal to the golden file's, for this
-model on this device and dtype), `--check-whole` (each stream's tokens equal its file run alone, in one piece) and
+model on this device and dtype; a file with none for them is an error, as the check cannot run), `--check-whole` (each stream's tokens equal its file run alone, in one piece) and
 `--reference eager` (equal to the eager model's on the bundle's weights). Any failure: one `error:` line per
 failure and exit 1, after every file's record.
 """
@@ -59,19 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _blocks(args, source: str, block: int):
     """Float32 sample blocks of the source; a file is paced to wall-clock time with --realtime."""
-    import numpy as np
-
     from runner.audio import SAMPLE_RATE, load_audio
 
     if source == "-":
-        dtype, width = (np.int16, 2) if args.pcm == "s16le" else (np.float32, 4)
-        stdin, tail = sys.stdin.buffer, b""
-        while chunk := stdin.read(block * width):
-            data, tail = tail + chunk, b""
-            cut = len(data) - len(data) % width  # a sample split across reads waits for its other bytes
-            data, tail = data[:cut], data[cut:]
-            x = np.frombuffer(data, dtype="<i2" if dtype is np.int16 else "<f4")
-            yield (x.astype(np.float32) / 32768.0) if dtype is np.int16 else x.astype(np.float32)
+        yield from _stdin_blocks(sys.stdin.buffer, args.pcm, block)
         return
     samples = load_audio(source)
     t0 = time.perf_counter()
@@ -79,6 +72,31 @@ def _blocks(args, source: str, block: int):
         if args.realtime:
             time.sleep(max(0.0, t0 + i / SAMPLE_RATE - time.perf_counter()))
         yield samples[i : i + block]
+
+
+def _stdin_blocks(stdin, pcm: str, block: int):
+    """A WAV stream's samples when stdin starts with a RIFF/WAVE header (its rate and channels converted as a
+    file's are); raw 16 kHz mono PCM in the --pcm format otherwise."""
+    import numpy as np
+
+    from runner.audio import is_wav_header, wav_stream_blocks
+
+    head = stdin.read(12)
+    if is_wav_header(head):
+        yield from wav_stream_blocks(stdin.read, block)
+        return
+    width, dtype = (2, "<i2") if pcm == "s16le" else (4, "<f4")
+    scale = 1 / 32768.0 if width == 2 else 1.0
+    data = head  # the peeked bytes are the stream's first samples
+    while True:
+        more = stdin.read(block * width - len(data))
+        data += more
+        cut = len(data) - len(data) % width  # a sample split across reads waits for its other bytes
+        if cut:
+            yield np.frombuffer(data[:cut], dtype=dtype).astype(np.float32) * np.float32(scale)
+        data = data[cut:]
+        if not more:
+            return
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -176,13 +194,22 @@ def _stream_sources(args: argparse.Namespace, family, steps) -> list[dict]:
         text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
         out.write((texts[i].flush() if live_text else f"{args.audio[i]}: {text}") + "\n")
         out.flush()
-        records[i] = {"audio": args.audio[i], "text": text, "tokens": s.tokens}
+        records[i] = {"audio": args.audio[i], "text": text, "tokens": s.tokens, **timed(tok, spec, s)}
         records[i]["stats"] = stream_stats(s, spec, s.received / SAMPLE_RATE)
 
     steps.reset()
     sources = [(s, _blocks(args, src, block)) for s, src in zip(streams, args.audio)]
     run_fed(StreamBatch(steps, spec), sources, on_done=done)
     return records
+
+
+def timed(tok, spec, stream) -> dict:
+    """A stream's record fields with times (runner/families/voxtral_realtime/times.py): each token's
+    `token_times` [start, end] in seconds, and `segments` with their `words`."""
+    from runner.families.voxtral_realtime.times import segments_of, token_times
+
+    times = token_times(spec, stream.positions)
+    return {"token_times": [list(t) for t in times], "segments": segments_of(tok, stream.tokens, times)}
 
 
 def _print_records(records: list[dict], as_json: bool) -> None:

@@ -52,6 +52,17 @@ def window_features(mel: torch.Tensor, num_samples: int, window: int) -> torch.T
     return out
 
 
+def frames_features(mel: torch.Tensor, num_samples: int, first: int, count: int) -> torch.Tensor:
+    """The window of `count` frames from frame `first` of a recording's log-mel (transcribe's seek, any frame
+    offset), padded with 0.0 to [1, n_mels, 3000] as pad_or_trim pads it: the chunks [c, n_mels, 3000] are one
+    log-mel cut every N_FRAMES, so its frames are read across a chunk's end."""
+    count = max(0, min(count, N_FRAMES, num_samples // HOP_LENGTH - first))
+    flat = mel.permute(1, 0, 2).reshape(mel.shape[1], -1)  # [n_mels, c * 3000]
+    out = torch.zeros(1, mel.shape[1], N_FRAMES, dtype=mel.dtype, device=mel.device)
+    out[0, :, :count] = flat[:, first : first + count]
+    return out
+
+
 class RecordingFeatures:
     """Each recording's log-mel for the windows cut from it: computed by the first window that needs it and
     kept until clear() (the end of a generate_windows call), so a file of n windows costs one preprocessor call,
@@ -61,11 +72,15 @@ class RecordingFeatures:
         self.engine = engine
         self._mels: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 
-    def window(self, samples: np.ndarray, window: int) -> torch.Tensor:
+    def window(self, samples: np.ndarray, window: int, frames: tuple[int, int] | None = None) -> torch.Tensor:
+        """Window `window` (every N_FRAMES), or with `frames` (first, count) the frames from any offset."""
         key = id(samples)
         if key not in self._mels:
             self._mels[key] = (samples, recording_mel(self.engine, samples))
-        return window_features(self._mels[key][1], len(samples), window)
+        mel = self._mels[key][1]
+        if frames is not None:
+            return frames_features(mel, len(samples), *frames)
+        return window_features(mel, len(samples), window)
 
     def clear(self) -> None:
         self._mels.clear()

@@ -21,6 +21,7 @@ import torch
 from runner.audio import (
     ANSWER_TOKENS_PER_SECOND,
     DEFAULT_ANSWER_TOKENS,
+    HOP_LENGTH,
     N_SAMPLES,
     SAMPLE_RATE,
 )
@@ -33,6 +34,15 @@ from runner.runtime.waveform import PinnedHostBuffer, wave_on_device
 from runner.stats import Stats, now_ms
 
 # ---------------------------------------------------------------- prompts
+
+
+class WindowPlan:
+    """A file's windows decided while decoding, not before (Whisper's long form: each window starts where the
+    previous one's last complete segment ends, and its prompt holds the text before it). generate_windows hands
+    it the runner, the KV cache held; it gives the file's one result."""
+
+    def generate(self, runner: MultimodalRunner, opts: GenerationOptions, on_text, stats: Stats) -> GenerationResult:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,14 @@ class AudioSegment:
 
     samples: np.ndarray
     window: int | None = None
+    # (first frame, frames): a window at any frame offset of the recording (Whisper's seek); `window` is then 0
+    frames: tuple[int, int] | None = None
 
     @property
     def num_samples(self) -> int:
         """The samples of audio this segment stands for."""
+        if self.frames is not None:
+            return self.frames[1] * HOP_LENGTH
         if self.window is None:
             return len(self.samples)
         return min(N_SAMPLES, max(0, len(self.samples) - self.window * N_SAMPLES))
@@ -83,7 +97,7 @@ def inputs_on_device(
     most `audio_chunks`, through the `pinned` buffer: wave_on_device), all copied before any compute is queued: a
     copy from pageable host memory synchronises the stream, so one made after the audio encoder is queued would
     wait for it.
-    A recording's window (Whisper) is its features [1, n_mels, 3000], from `window_mel(samples, window)`
+    A recording's window (Whisper) is its features [1, n_mels, 3000], from `window_mel(samples, window, frames)`
     (RecordingFeatures.window) after the copies; encoded audio is its embeddings, already on the device."""
 
     def on_device(s: Segment) -> torch.Tensor | None:
@@ -100,7 +114,7 @@ def inputs_on_device(
         raise GenerationError(
             "a recording's window needs the recording's features: inputs_on_device(..., window_mel=...)"
         )
-    return [window_mel(s.samples, s.window) if x is None else x for s, x in zip(segments, copied)]
+    return [window_mel(s.samples, s.window, s.frames) if x is None else x for s, x in zip(segments, copied)]
 
 
 # ---------------------------------------------------------------- options and results
@@ -115,6 +129,21 @@ class GenerationOptions:
     seed: int | None = None
     min_new_tokens: int = 0  # ignore EOS until this many tokens (benchmarks force a fixed length)
     record_logits: bool = False
+    # Long-form decoding, for a family whose windows are decided while decoding (WindowPlan: Whisper), as
+    # openai-whisper's `transcribe` defaults them; the fixed windows of the other families never read them.
+    # A window's decode judged implausible is decoded again at `temperature` + this, up to 1.0 (None: never)
+    temperature_increment_on_fallback: float | None = 0.2
+    compression_ratio_threshold: float | None = 2.4  # above: too repetitive, fall back
+    logprob_threshold: float | None = -1.0  # average log-probability below: fall back
+    no_speech_threshold: float | None = 0.6  # no-speech probability above, with a log-probability below: silence
+    condition_on_previous_text: bool = True  # the previous windows' text prompts the next (<|startofprev|>)
+
+    def fallback_temperatures(self) -> tuple[float, ...]:
+        """The temperatures a window is decoded at, in turn, until one decode is judged plausible."""
+        step = self.temperature_increment_on_fallback
+        if not step:
+            return (self.temperature,)
+        return tuple(float(t) for t in np.arange(self.temperature, 1.0 + 1e-6, step)) or (self.temperature,)
 
     def __post_init__(self):
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -128,6 +157,9 @@ class GenerationOptions:
             raise GenerationError(f"--top-p {self.top_p}: a number in (0, 1]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise GenerationError(f"--seed {self.seed}: a whole number from 0 to 2**63 - 1")
+        step = self.temperature_increment_on_fallback
+        if step is not None and not (math.isfinite(step) and step >= 0):
+            raise GenerationError(f"--temperature-increment-on-fallback {step}: a finite number >= 0 (0: no fallback)")
 
 
 _MIN_TEMPERATURE = 1e-250  # |float32 logit| / this stays finite in float64
@@ -249,7 +281,7 @@ class MultimodalRunner:
 
     def generate_windows(
         self,
-        windows: list[list[Segment]],
+        windows: list[list[Segment]] | WindowPlan,
         opts: GenerationOptions,
         on_text: Callable[[str], None] | None = None,
         stats: Stats | None = None,
@@ -258,9 +290,12 @@ class MultimodalRunner:
         two windows' texts where neither has one, so words never run together; `on_text` streams the same), the
         stats summed into `stats` (the first token's time is the first window's), `windows` giving each one's
         token count and `parts` each one's own text and stats."""
+        stats = stats if stats is not None else Stats()
+        if isinstance(windows, WindowPlan):
+            with self.exclusive():
+                return windows.generate(self, opts, on_text, stats)
         if not windows:
             raise GenerationError("empty prompt: nothing to prefill")
-        stats = stats if stats is not None else Stats()
         joiner = TextJoiner(on_text)
         with self.exclusive():
             results = []

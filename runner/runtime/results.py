@@ -40,12 +40,24 @@ class Segment:
 
 @dataclass(frozen=True)
 class WindowResult:
-    """One prompt window of a result: its own text, token count, stop reason and stats."""
+    """One prompt window of a result: its own text, token count, stop reason and stats, and what its decoding
+    went through where the family judges its output (Whisper's long form): the temperature its kept decode used,
+    the fallbacks taken to get there (each a decode at a higher temperature after one judged implausible), and
+    whether it was judged silent (its decode dropped: no speech, and too unlikely to trust)."""
 
     text: str
     tokens: int
     stop_reason: str
     stats: Stats
+    temperature: float | None = None  # None: decoded once at the run's temperature, nothing judged
+    fallbacks: int = 0
+    silent: bool = False
+
+    def outcome(self) -> dict:
+        """What happened to this window, for its record (empty where nothing was judged)."""
+        if self.temperature is None:
+            return {}
+        return {"temperature": self.temperature, "fallbacks": self.fallbacks, "silent": self.silent}
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,11 @@ class GenerationResult:
     logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per generated token, when recorded
     windows: tuple[int, ...] = ()  # tokens generated in each prompt window, in order (their sum: len(tokens))
     parts: tuple[WindowResult, ...] = ()  # each prompt window's own text, tokens, stop reason and stats
+    # the transcript's stretches with their times (from timestamp tokens); () where the family has none
+    segments: tuple[Segment, ...] = ()
+    # the prompts the windows were decoded from, where they were decided while decoding (Whisper's seek): what
+    # teacher forcing replays instead of the job's windows; () where the job's windows are the prompts
+    prompts: tuple[list, ...] = ()
 
     def window_tokens(self) -> list[list[int]]:
         """`tokens` cut back into windows: what teacher forcing replays, window by window."""

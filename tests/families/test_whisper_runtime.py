@@ -85,7 +85,7 @@ def test_a_recording_longer_than_the_preprocessor_takes_is_refused_by_name(token
     sf.write(path, np.zeros(40 * 16000, np.float32), 16000)  # 40 s + the 30 s of zeros: 3 chunks
     with pytest.raises(AudioError, match=r"forty.wav: audio is 40.0 s long; .* recordings up to 30 s"):
         WhisperFamily(tokenizer, max_recording_chunks=2).prompts(path, None, None, 1)
-    assert len(WhisperFamily(tokenizer, max_recording_chunks=3).prompts(path, None, None, 1)) == 2
+    assert len(WhisperFamily(tokenizer, max_recording_chunks=3, long_form=False).prompts(path, None, None, 1)) == 2
 
 
 def test_a_manifest_without_the_preprocessors_bound_is_refused_by_name(tmp_path):

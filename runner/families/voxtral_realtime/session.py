@@ -109,6 +109,7 @@ class Stream:
     def __init__(self, spec: StreamSpec, on_token: Callable[[int], None] | None = None, stop_at_eos: bool = True):
         self.spec, self.on_token, self.stop_at_eos = spec, on_token, stop_at_eos
         self.tokens: list[int] = []
+        self.positions: list[int] = []  # the position each token was decided at: its audio's time (times.py)
         self.times = StepTimes()
         self.received = 0  # samples of the stream itself
         self.position = 0  # the next position to run
@@ -160,6 +161,7 @@ class Stream:
         if self.position >= len(self.spec.prompt) - 1:  # inside the prompt the next token is given
             self.times.lag_ms.append((decided - self.arrived) * 1e3)
             self.tokens.append(token)
+            self.positions.append(self.position)
             if self.on_token is not None:
                 self.on_token(token)
             if token == self.spec.eos_id and self.stop_at_eos:

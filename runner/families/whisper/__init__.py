@@ -14,6 +14,7 @@ from pathlib import Path
 from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, load_audio
 from runner.errors import AudioError, BundleError, GenerationError
 from runner.families.base import Capabilities
+from runner.families.whisper.longform import LongForm
 from runner.families.whisper.tokenizer import TOKENIZER_TYPE, WhisperTokenizer
 from runner.runtime.features import recording_chunks, window_count
 from runner.runtime.generate import AudioSegment, Prompt, TextSegment
@@ -47,6 +48,11 @@ def whisper_prompt(tok: WhisperTokenizer, multilingual: bool, language: str | No
     )
 
 
+def sot_sequence(tok: WhisperTokenizer, multilingual: bool, language: str | None) -> tuple[int, ...]:
+    """The long form's prompt: whisper_prompt without <|notimestamps|> (timestamp tokens on)."""
+    return whisper_prompt(tok, multilingual, language)[:-1]
+
+
 def windows(samples, ids: tuple[int, ...]) -> list[Prompt]:
     """One prompt per 30 s window of the recording, as openai/whisper walks it without timestamps: window i
     (its features cut from the whole recording's), then the text prompt. At least one window."""
@@ -60,10 +66,17 @@ class WhisperFamily:
     audio_id = None  # cross-attended: the audio takes no decoder positions
 
     def __init__(
-        self, tokenizer: WhisperTokenizer, multilingual: bool = False, max_recording_chunks: int | None = None
+        self,
+        tokenizer: WhisperTokenizer,
+        multilingual: bool = False,
+        max_recording_chunks: int | None = None,
+        long_form: bool = True,
     ):
         self.tokenizer, self.multilingual = tokenizer, multilingual
         self.max_recording_chunks = max_recording_chunks  # the preprocessor's bound; None: no bound (eager)
+        # True: openai-whisper's `transcribe` (timestamps, seek, fallback); False: fixed 30 s windows without
+        # timestamps, each decoded once (what the checks of one window's tokens compare)
+        self.long_form = long_form
 
     @classmethod
     def from_bundle(cls, bundle_dir: Path, model: dict) -> WhisperFamily:
@@ -75,7 +88,7 @@ class WhisperFamily:
 
     def prompts(
         self, audio_path: str | os.PathLike, prompt: str | None, language: str | None, max_audio_chunks: int
-    ) -> list[Prompt]:
+    ) -> list[Prompt] | LongForm:
         if prompt:
             raise GenerationError("a Whisper bundle transcribes only; --prompt is not supported")
         samples = load_audio(audio_path)
@@ -85,4 +98,6 @@ class WhisperFamily:
                 f"{audio_path}: audio is {len(samples) / SAMPLE_RATE:.1f} s long; this bundle's preprocessor takes "
                 f"recordings up to {(bound - 1) * CHUNK_LENGTH} s"
             )
+        if self.long_form:
+            return LongForm(samples, sot_sequence(self.tokenizer, self.multilingual, language), self.tokenizer)
         return windows(samples, whisper_prompt(self.tokenizer, self.multilingual, language))

@@ -63,6 +63,9 @@ class WhisperTokenizer:
         except KeyError:
             raise TokenizerError(f"special token {name!r} is not in the tokenizer") from None
 
+    def has_special(self, name: str) -> bool:
+        return name in self._special_ids
+
     def is_special(self, token_id: int) -> bool:
         return token_id >= self._eot
 

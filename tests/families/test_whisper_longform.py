@@ -1,0 +1,155 @@
+"""Whisper's long form against openai-whisper's `transcribe` (20250625) and faster-whisper (1.2.1) on exactly our
+tiny.en weights (tests/families/longform_refs.py), on long espeak-ng recordings of known sentences made here:
+the same logit rules, WER within a point of openai-whisper's, no sentence lost that it keeps, segments in order
+within the file, and each window's outcome (temperature, fallbacks, silence) recorded.
+
+Skipped where the Whisper package, openai-whisper, faster-whisper or espeak-ng is missing."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+from longform_refs import espeak_recording, lost_sentences, openai_whisper_from
+
+from runner.app.wer import score
+from runner.audio import SAMPLE_RATE, load_audio
+from runner.export.whisper_convert import ConversionError, load_whisper, package_model_dir
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
+
+whisper_pkg = pytest.importorskip("whisper")
+faster_whisper = pytest.importorskip("faster_whisper")
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    try:
+        return package_model_dir()
+    except ConversionError as e:
+        pytest.skip(f"Whisper model package unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    from runner.families.whisper import WhisperTokenizer
+
+    model, _, path = load_whisper(model_dir)
+    return model, WhisperTokenizer(path, model.config.text.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def ours(loaded):
+    """Our long form over the eager model (the runtime's loop and rules; the bundle runs the same loop)."""
+    from runner.families.whisper import WhisperFamily
+    from runner.reference.whisper import engine_for
+
+    model, tok = copy.deepcopy(loaded[0]), loaded[1]
+    model.setup_caches(model.config.text.max_target_positions)
+    runner = MultimodalRunner(engine_for(model), tok, None)
+
+    def transcribe(path, **opts):
+        return runner.generate_windows(WhisperFamily(tok).prompts(path, None, None, 1), GenerationOptions(**opts))
+
+    return transcribe
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    return openai_whisper_from(loaded[0])
+
+
+def recording(tmp_path_factory, minutes):
+    try:
+        return espeak_recording(tmp_path_factory.mktemp("longform"), minutes)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_logit_rules_use_openai_whispers_token_ids(loaded, reference):
+    """The suppressed tokens, the timestamp and no-speech ids: openai-whisper's own for this tokenizer."""
+    from whisper.decoding import DecodingOptions, DecodingTask
+
+    from runner.families.whisper.longform import Rules
+
+    rules = Rules.of(loaded[1])
+    task = DecodingTask(reference, DecodingOptions(language="en", fp16=False))
+    t = task.tokenizer
+    assert rules.suppress == task._get_suppress_tokens()
+    assert (rules.timestamp_begin, rules.no_speech, rules.sot_prev, rules.no_timestamps, rules.eot) == (
+        t.timestamp_begin, t.no_speech, t.sot_prev, t.no_timestamps, t.eot,
+    )  # fmt: skip
+    assert list(rules.blank) == t.encode(" ") + [t.eot]
+
+
+def compare(tmp_path_factory, minutes, ours, reference, model_dir):
+    path, said = recording(tmp_path_factory, minutes)
+    script = " ".join(said)
+    mine = ours(path, max_new_tokens=None)
+    ref = whisper_pkg.transcribe(reference, load_audio(path), fp16=False, language="en")
+    fw_model = faster_whisper.WhisperModel(str(model_dir), device="cpu", compute_type="float32", cpu_threads=2)
+    fw_segments, _ = fw_model.transcribe(load_audio(path), language="en")
+    fw_text = "".join(s.text for s in fw_segments)
+    wers = {name: score(name, script, text).wer for name, text in
+            (("ours", mine.text), ("openai-whisper", ref["text"]), ("faster-whisper", fw_text))}  # fmt: skip
+    print(f"\n{minutes:g} min, WER: " + ", ".join(f"{k} {100 * v:.2f}%" for k, v in wers.items()), file=sys.stderr)
+    return path, said, mine, ref, fw_text, wers
+
+
+@pytest.mark.parametrize("minutes", [pytest.param(2.2), pytest.param(10, marks=pytest.mark.slow)])
+def test_long_recording_as_openai_whisper_transcribes_it(tmp_path_factory, minutes, ours, reference, model_dir):
+    path, said, mine, ref, fw_text, wers = compare(tmp_path_factory, minutes, ours, reference, model_dir)
+    assert wers["ours"] <= wers["openai-whisper"] + 0.01
+    assert set(lost_sentences(said, mine.text)) <= set(lost_sentences(said, ref["text"]))
+    assert set(lost_sentences(said, mine.text)) <= set(lost_sentences(said, fw_text))
+    duration = len(load_audio(path)) / SAMPLE_RATE
+    starts = [s.start for s in mine.segments]
+    assert starts == sorted(starts) and all(0 <= s.start <= s.end <= duration + 30 for s in mine.segments)
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(mine.segments, mine.segments[1:]))
+    assert len(mine.parts) > minutes * 2  # windows cut at the segments' ends, not every 30 s only
+    assert all(p.temperature is not None and not p.silent for p in mine.parts)
+
+
+def test_segments_and_their_numbers_are_openai_whispers_where_the_decodes_agree(tmp_path_factory, ours, reference):
+    """On the first window (no previous text yet) the segments are openai-whisper's: same times, text, tokens,
+    avg_logprob and no-speech probability (fp32 on both sides: within float rounding)."""
+    path, _ = recording(tmp_path_factory, 0.4)
+    mine = ours(path, max_new_tokens=None)
+    ref = whisper_pkg.transcribe(reference, load_audio(path), fp16=False, language="en")["segments"]
+    n = min(len(mine.segments), len(ref))
+    assert n >= 3
+    for a, b in zip(mine.segments[:n], ref[:n]):
+        assert (a.start, a.end, a.text, list(a.tokens)) == (pytest.approx(b["start"]), pytest.approx(b["end"]),
+                                                             b["text"], b["tokens"])  # fmt: skip
+        assert a.avg_logprob == pytest.approx(b["avg_logprob"], abs=1e-3)
+        assert a.no_speech_prob == pytest.approx(b["no_speech_prob"], abs=1e-3)
+
+
+def test_a_window_judged_implausible_falls_back_and_says_so(tmp_path_factory, ours):
+    """A log-probability threshold no decode meets: every temperature is tried, the last kept and recorded."""
+    path, _ = recording(tmp_path_factory, 0.3)
+    r = ours(path, max_new_tokens=None, logprob_threshold=0.0, no_speech_threshold=None)
+    assert [(p.temperature, p.fallbacks, p.silent) for p in r.parts] == [(1.0, 5, False)] * len(r.parts)
+    assert all(s.temperature == 1.0 for s in r.segments)
+    none = ours(path, max_new_tokens=None, logprob_threshold=0.0, temperature_increment_on_fallback=None)
+    assert {(p.temperature, p.fallbacks) for p in none.parts} == {(0.0, 0)}
+
+
+def test_silence_is_judged_as_openai_whisper_judges_it(tmp_path, ours, reference):
+    """The fixture's silence is skipped whole (its window recorded as silent, nothing kept), and a recording of
+    digital zeros comes out as openai-whisper transcribes it (whatever that is: tiny.en says " you")."""
+    import numpy as np
+    import soundfile
+    from conftest import AUDIO
+
+    quiet = ours(AUDIO / "silence.wav", max_new_tokens=None)
+    ref = whisper_pkg.transcribe(reference, load_audio(AUDIO / "silence.wav"), fp16=False, language="en")
+    assert quiet.text == ref["text"] == "" and quiet.segments == ()
+    assert [p.silent for p in quiet.parts] == [True]
+    path = tmp_path / "zeros.wav"
+    soundfile.write(path, np.zeros(40 * SAMPLE_RATE, np.float32), SAMPLE_RATE)
+    zeros = ours(path, max_new_tokens=None)
+    ref = whisper_pkg.transcribe(reference, load_audio(path), fp16=False, language="en")
+    assert zeros.text == ref["text"]
+    assert [(s.start, s.end) for s in zeros.segments] == [(s["start"], s["end"]) for s in ref["segments"]]
+    assert sum(p.stats.audio_seconds for p in zeros.parts) == pytest.approx(40, abs=0.02)  # the windows tile it

@@ -301,6 +301,7 @@ def test_bench_throughput_compares_batch_sizes_on_the_same_files(tiny_batch_bund
     steps = {b: recs[f"throughput_step_ms_b{b}"]["metric"]["benchmark_values"][0] for b in (1, 4)}
     assert all(v > 0 for v in steps.values())
     row4 = next(line for line in table.splitlines() if line.startswith("| 4 |")).split("|")
+    # the table prints the rate with one decimal: half a unit of that is the most the printed figure can differ
     assert float(row4[7]) == pytest.approx(steps[4], abs=1e-3) and float(row4[8]) == pytest.approx(
-        4e3 / steps[4], rel=1e-3
+        4e3 / steps[4], abs=0.05
     )

@@ -4,23 +4,15 @@ a session's default. `.ci/run` runs the real thing (`nox -s act`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from script_module import load_module
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 act = load_module("ci_act", ROOT / "ci_scripts" / "act.py")

@@ -4,7 +4,6 @@ the summary writer and the packing of $OUT."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import subprocess
@@ -12,19 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_module
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from runner.app.cli import build_parser  # noqa: E402  (no torch)
-
-
-def load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 gpu = load_module("gpu_driver", ROOT / "benchmarks" / "gpu.py")
 # the sessions the driver runs and the CLI verb each hands its arguments to (nox's own options taken out first)

@@ -65,10 +65,11 @@ def eager_runner(whisper, tokenizer):
 
 
 def prompts(tokenizer, path, prompt=None, language=None):
-    """The prompt windows `run` builds for a Whisper tiny.en file."""
+    """Fixed 30 s prompt windows without timestamps for a Whisper tiny.en file: these tests hold the model and the
+    engine to their references window by window (the long form's seeking and rules: test_whisper_longform.py)."""
     from runner.families.whisper import WhisperFamily
 
-    return WhisperFamily(tokenizer).prompts(path, prompt, language, 1)
+    return WhisperFamily(tokenizer, long_form=False).prompts(path, prompt, language, 1)
 
 
 @pytest.fixture(scope="session")
@@ -241,9 +242,16 @@ def test_bundle_features_are_openai_whispers_over_the_whole_recording(whisper_bu
 
 
 def test_run_verb_transcribes_the_fixtures_with_the_eager_tokens_and_wer_below_the_threshold(
-    whisper_bundle, eager_results, capsys
+    whisper_bundle, eager_runner, capsys
 ):
     from runner.app.cli import main
+    from runner.families.whisper import WhisperFamily
+
+    # the eager model through the same long form `run` uses (openai-whisper's transcribe: timestamps, seek)
+    opts, tok = GenerationOptions(max_new_tokens=100), eager_runner.tok
+    eager_results = {
+        f: eager_runner.generate_windows(WhisperFamily(tok).prompts(AUDIO / f, None, None, 1), opts) for f in FILES
+    }
 
     # (the eager comparison is eager_results, already computed; `--reference eager` is the e2e session's)
     argv = ["run", "--bundle", str(whisper_bundle), "--json", "--max-new-tokens", "100"]

@@ -113,11 +113,13 @@ class Attempt:
     temperature: float
     prompt_ids: list[int]
     tokens: list[int]  # sampled, <|endoftext|> left out
-    logits: list[torch.Tensor]  # each sampled token's raw logits [1, V], when recorded
+    logits: list[torch.Tensor]  # each sampled token's logits [1, V] after the rules (ruled out: -inf), if recorded
     sum_logprob: float
     no_speech_prob: float
     stop: str
     text: str = ""
+    prefilled_ms: float = 0.0  # when the prompt's prefill ended
+    first_token_ms: float = 0.0  # when the first token (or <|endoftext|>) was picked
 
     @property
     def avg_logprob(self) -> float:
@@ -168,6 +170,7 @@ class LongForm(WindowPlan):
             advance, segments, used = self._segments(kept, state.seek, size, opts)
             s.audio_seconds = advance * HOP_LENGTH / SAMPLE_RATE  # this window's stretch: the records' bounds
             s.prompt_tokens = len(kept.prompt_ids)
+            s.prompt_eval_end_ms, s.first_token_ms = kept.prefilled_ms, kept.first_token_ms
             r = window_result(
                 self.tok, kept.prompt_ids, kept.tokens[:used], kept.stop, s, kept.logits[:used], runner.engine.device
             )
@@ -212,6 +215,7 @@ class LongForm(WindowPlan):
                 logits = e.decode_token(torch.tensor([[token]], device=e.device), pos)
                 prompt_ids.append(token)
                 pos += 1
+            prefilled_ms, first_token_ms = now_ms(), 0.0
             tokens, recorded, total, stop = [], [], 0.0, "max_new_tokens"
             limit = min(sample_len, e.max_seq_len - pos)
             while len(tokens) < limit:
@@ -223,18 +227,20 @@ class LongForm(WindowPlan):
                 else:
                     token = int(torch.multinomial(torch.softmax(filtered / t, dim=-1), 1, generator=gen))
                 total += float(logprobs[token])
+                first_token_ms = first_token_ms or now_ms()
                 if token == self.rules.eot:
                     stop = "eos"
                     break
                 tokens.append(token)
-                if record:
-                    recorded.append(raw[None])
+                if record:  # what the reference check compares: the rules rule the same tokens out for eager
+                    recorded.append(filtered[None])
                 logits = e.decode_token(torch.tensor([[token]], device=e.device), pos)
                 pos += 1
         finally:
             e.reset()
         text = self.tok.decode([x for x in tokens if x < self.rules.eot]).strip()
-        return Attempt(t, prompt_ids, tokens, recorded, total, no_speech, stop, text)
+        first_token_ms = first_token_ms or now_ms()  # no token picked (the limit): the decode's end
+        return Attempt(t, prompt_ids, tokens, recorded, total, no_speech, stop, text, prefilled_ms, first_token_ms)
 
     def _segments(self, a: Attempt, seek: int, size: int, opts: GenerationOptions):
         """transcribe's segmenting of a kept decode: (frames to advance, its segments, tokens of it kept). A silent

@@ -277,3 +277,16 @@ def test_run_verb_fails_above_max_wer(whisper_bundle, tmp_path, capsys):
     argv = ["run", "--bundle", str(whisper_bundle), "--audio", str(AUDIO / "short.wav"), "--wer", str(refs)]
     assert main(argv + ["--max-wer", "0.5"]) == 1
     assert "word error rate 100.0% is above --max-wer 50.0%" in capsys.readouterr().err
+
+
+def test_reference_eager_holds_eager_to_the_long_forms_rules(whisper_bundle, capsys):
+    """`--reference eager` on the long form: our decode picks under openai-whisper's timestamp rules, so eager is
+    scored under the same rules (the tokens they ruled out are out for eager too) and matches token for token."""
+    from runner.app.cli import main
+
+    argv = ["run", "--bundle", str(whisper_bundle), "--reference", "eager", "--max-new-tokens", "100"]
+    for f in ("speech.wav", "short.wav"):
+        argv += ["--audio", str(AUDIO / f)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("eager reference: match") == 2, err

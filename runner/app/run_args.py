@@ -4,6 +4,7 @@ torch): `--help` builds them without it."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,7 +187,15 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
 
 def _threshold(text: str) -> float | None:
     """A number, or "none": the check is off."""
-    return None if text.lower() == "none" else float(text)
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # argparse names the flag: "argument --logprob-threshold: ..."
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number, or none")
+    return value
 
 
 def add_long_form_flags(p: argparse.ArgumentParser) -> None:

@@ -253,3 +253,23 @@ def test_runtime_flags_and_variables_become_one_options_value():
     off = runtime_options(p.parse_args(["--no-warm-up", "--no-cuda-graph", "--rehash"]), Environment.read({}))
     assert not off.warm_up and not off.cuda_graph and off.rehash and off.pdl
     assert not runtime_options(p.parse_args([]), Environment.read({"VOXTRAL_RUNNER_PDL": "0"})).pdl
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf"])
+def test_a_long_form_threshold_that_is_not_a_finite_number_is_one_line(value, capsys):
+    from runner.app.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run", "--bundle", "b", "--audio", "a.wav", "--logprob-threshold", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"argument --logprob-threshold: {value!r}: a finite number, or none"), err
+
+
+def test_a_long_form_threshold_takes_a_number_or_none():
+    from runner.app.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--bundle", "b", "--audio", "a.wav", "--logprob-threshold", "none"])
+    assert args.logprob_threshold is None
+    args = build_parser().parse_args(["run", "--bundle", "b", "--audio", "a.wav", "--no-speech-threshold", "0.5"])
+    assert args.no_speech_threshold == 0.5

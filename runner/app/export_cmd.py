@@ -173,11 +173,11 @@ def _export(args: argparse.Namespace, cache_dir: Path, console):
         cache_dir=cache_dir,
     )  # fmt: skip
     quant = "" if args.quant == "none" else f"-{args.quant}"
-    out = args.out or Path("artifacts") / f"{start.bundle_prefix}{start.name}-{device}-{dtype}{quant}"
+    out = args.out or start.default_out(device, dtype, quant)
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.
     spinner = console.status if sys.stderr.isatty() else _PlainStatus(console)
-    with spinner(f"exporting {start.name} ({device}, {dtype})") as status:
+    with spinner(f"exporting {start.loaded.name} ({device}, {dtype})") as status:
 
         def progress(method: str, phase: str) -> None:
             if phase in ("compiling", "checking against eager"):
@@ -186,7 +186,7 @@ def _export(args: argparse.Namespace, cache_dir: Path, console):
                 console.print(f"  {method:16s} {phase}")
 
         with _write_errors(out, args.debug):
-            report = start.export(start.model, start.source, start.tokenizer, out, opts, progress=progress)
+            report = start.export(out, opts, progress=progress)
     return out, report
 
 

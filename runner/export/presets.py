@@ -4,15 +4,11 @@ family loads what is the export registry's (runner/export/registry.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
-
 from runner.export import registry
-from runner.export.checkpoint import ModelSource
-from runner.export.registry import LoadRequest
+from runner.export.registry import ExportFamily, Loaded, LoadRequest
 
 DEFAULT_PRESET = "tiny"  # the embedded default: its seeded weights need no download
 PRESETS = registry.preset_names()  # the built-in families' (a registered family's are added where it is)
@@ -20,12 +16,19 @@ PRESETS = registry.preset_names()  # the built-in families' (a registered family
 
 @dataclass(frozen=True)
 class ModelToExport:
-    name: str  # the preset, or the checkpoint directory's name: names the default --out
-    model: nn.Module
-    source: ModelSource
-    tokenizer: Path
-    export: Callable  # the family's exporter: (model, source, tokenizer, out, ExportOptions, progress)
-    bundle_prefix: str  # default --out: artifacts/<prefix><name>-<device>-<dtype>
+    """The loaded model and the family entry that exports it (its exporter, its default --out prefix)."""
+
+    loaded: Loaded
+    family: ExportFamily
+
+    def default_out(self, device: str, dtype: str, suffix: str = "") -> Path:
+        """artifacts/<prefix><name>-<device>-<dtype><suffix>"""
+        return Path("artifacts") / f"{self.family.bundle_prefix}{self.loaded.name}-{device}-{dtype}{suffix}"
+
+    def export(self, out: Path, opts, progress=None):
+        """The family's exporter on the loaded model: its ExportReport."""
+        x = self.loaded
+        return self.family.export(x.model, x.source, x.tokenizer, out, opts, progress=progress)
 
 
 def load(
@@ -44,7 +47,4 @@ def load(
         preset = preset or DEFAULT_PRESET
         family = registry.for_preset(preset)
     request = LoadRequest(preset, checkpoint, random_init, seed, dtype, device, cache_dir)
-    loaded = family.load(request)
-    return ModelToExport(
-        loaded.name, loaded.model, loaded.source, loaded.tokenizer, family.export, family.bundle_prefix
-    )
+    return ModelToExport(family.load(request), family)

@@ -11,7 +11,6 @@ from runner.export import registry
 from runner.export.registry import ExportFamily, Loaded, LoadRequest
 
 DEFAULT_PRESET = "tiny"  # the embedded default: its seeded weights need no download
-PRESETS = registry.preset_names()  # the built-in families' (a registered family's are added where it is)
 
 
 @dataclass(frozen=True)

@@ -169,13 +169,24 @@ def _frame_samples(frame, channels: int) -> np.ndarray:
     """One decoded frame as float32 [samples, channels]."""
     import numpy as np
 
-    a = frame.to_ndarray()  # planar: [channels, samples]; packed: [1, samples * channels]
+    a = _frame_array(frame, channels)  # planar: [channels, samples]; packed: [1, samples * channels]
     a = a.T if frame.format.is_planar else a.reshape(-1, channels)
     if a.dtype == np.uint8:
         return ((a.astype(np.float32) - 128) / 128).astype(np.float32)
     if a.dtype.name in _INT_SCALE:
         return (a.astype(np.float64) * _INT_SCALE[a.dtype.name]).astype(np.float32)
     return a.astype(np.float32)
+
+
+def _frame_array(frame, channels: int) -> np.ndarray:
+    """The frame's samples as PyAV lays them out. PyAV converts every ffmpeg sample format but 64-bit integers
+    (a WAV of 64-bit PCM decodes to them): those are read from the planes, each padded past its samples."""
+    import numpy as np
+
+    if frame.format.name not in ("s64", "s64p"):
+        return frame.to_ndarray()
+    per_plane = frame.samples * (1 if frame.format.is_planar else channels)
+    return np.stack([np.frombuffer(bytes(p), dtype="<i8")[:per_plane] for p in frame.planes])
 
 
 # The first bytes of the containers people have, to name what a file is when nothing could read it.

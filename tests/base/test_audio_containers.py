@@ -193,3 +193,22 @@ def test_a_folder_lists_every_container_and_says_in_one_line_what_it_skipped(tmp
         f"note: --audio-dir {tmp_path}: skipped 4 file(s): 2 .txt, 1 .jpg (not audio file names) and 1 hidden "
         '(names starting with ".")'
     ]
+
+
+def test_a_wav_of_64_bit_pcm_reads_as_its_numbers(tmp_path):
+    """libsndfile refuses 64-bit integer PCM; ffmpeg decodes it to a sample format PyAV cannot convert to an
+    array: the samples are read from the frame's planes, scaled as the other integer widths are (x / 2^63)."""
+    import struct
+
+    from runner.audio import load_audio
+
+    ints = (np.sin(np.arange(16000) / 7) * 0.5 * 2**63).astype("<i8")
+    data = ints.tobytes()
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, 16000, 16000 * 8, 8, 64)
+    path = tmp_path / "s64.wav"
+    path.write_bytes(
+        b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+    )
+    got = load_audio(path)
+    assert got.dtype == np.float32 and len(got) == len(ints)
+    np.testing.assert_array_equal(got, (ints.astype(np.float64) / 2**63).astype(np.float32))

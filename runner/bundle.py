@@ -35,6 +35,8 @@ METHOD_NAMES = ("preprocessor", "audio_encoder", "token_embedding", "text_decode
 STEP_METHOD = "text_decoder_step"
 # Optional: the decoder for B sequences at once, each in a slot of its own cache (export --max-batch N > 1).
 BATCH_METHOD = "text_decoder_batch"
+# Optional: a whole token sequence over one window's cross-attention, for word timestamps (Whisper).
+ALIGN_METHOD = "alignment"
 MAX_MANIFEST_BYTES = 16 << 20  # a 3B bundle's model.pte is ~10 kB: anything near this is not a manifest
 UNLISTED_REFUSED = (".so", ".safetensors")  # code and weights: in the bundle only if the manifest pins them
 

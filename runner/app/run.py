@@ -16,7 +16,7 @@ from runner.app.golden import golden_mismatch  # tests/app/test_cli_ux.py import
 from runner.app.report import Reporter
 from runner.app.run_args import RunOptions
 from runner.errors import RunnerError
-from runner.families import family_for
+from runner.families import FAMILIES, family_for
 from runner.runtime.batch import JOB_ERRORS, Job, JobResult, generate_many
 from runner.runtime.engine import ProgramEngine
 from runner.runtime.generate import GenerationOptions, MultimodalRunner, Prompt
@@ -40,6 +40,8 @@ def transcribe(program: Program, options: RunOptions, load: Stats, plan: FilePla
     if family.capabilities.streaming:  # its methods are streaming steps, not a prompt's prefill and decode
         raise RunnerError(f"{program.bundle_dir}: a streaming bundle; use `python -m runner stream`")
     engine = ProgramEngine(program, options.runtime, cross_attention=family.cross_attention)
+    if options.word_timestamps:
+        check_word_timestamps(program, family, engine)
     _warm_up(engine, options.runtime, load)
     runner = MultimodalRunner(engine, family.tokenizer, family.audio_id)
     generation = generation_options(options)
@@ -64,6 +66,21 @@ def transcribe(program: Program, options: RunOptions, load: Stats, plan: FilePla
     return report.exit_code()
 
 
+def check_word_timestamps(program: Program, family, engine: ProgramEngine) -> None:
+    """--word-timestamps on a bundle that cannot give them: one line before any file runs."""
+    if not family.capabilities.word_timestamps:
+        able = " or ".join(name for name, f in FAMILIES.items() if f.capabilities.word_timestamps)
+        raise RunnerError(
+            f"--word-timestamps: a {family.name} bundle gives no word times (its segments are its windows; "
+            f"finer times need an aligner); {able} bundles give them"
+        )
+    if not engine.aligns:
+        raise RunnerError(
+            f"--word-timestamps: {program.bundle_dir} has no alignment method (exported by an older version); "
+            "export it again"
+        )
+
+
 def _warm_up(engine: ProgramEngine, runtime: RuntimeOptions, load: Stats) -> None:
     """Part of the load: the first file pays no first-call costs."""
     t0 = now_ms()
@@ -85,6 +102,7 @@ def generation_options(options: RunOptions) -> GenerationOptions:
         logprob_threshold=options.logprob_threshold,
         no_speech_threshold=options.no_speech_threshold,
         condition_on_previous_text=options.condition_on_previous_text,
+        word_timestamps=options.word_timestamps,
     )
 
 

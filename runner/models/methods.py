@@ -14,3 +14,4 @@ class Methods:
     audio_encoder: nn.Module  # mel -> audio embeddings [1, k*375, H] (Voxtral) or cross-attention K/V (Whisper)
     token_embedding: nn.Module  # ids [1, S] -> [1, S, H]
     text_decoder: nn.Module  # embeds [1, S, H], cache_position [S] (, cross K/V) -> logits [1, V] f32
+    alignment: nn.Module | None = None  # ids [1, S], cross K/V -> word-timing scores and probabilities (Whisper)

@@ -113,10 +113,13 @@ class SelfAttention(nn.Module):
         self.out_proj = nn.Linear(c.dim, c.dim)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape  # x: [1, S, d], mask: [S, max_seq]
+    def forward(
+        self, x: torch.Tensor, input_pos: torch.Tensor | None, mask: torch.Tensor
+    ) -> torch.Tensor:  # x: [1, S, d], mask: [S, max_seq]; input_pos None: the whole sequence, no cache
+        b, s, d = x.shape
         q, k, v = (_heads(p(x), self.n_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
-        k, v = self.kv_cache.update(input_pos, k, v)  # [1, H, max_seq, D], written in place
+        if input_pos is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)  # [1, H, max_seq, D], written in place
         # Written out rather than SDPA with a mask, as the Voxtral decoder (torch 2.11's CUDA export guard).
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * (d // self.n_heads) ** -0.5
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -133,14 +136,22 @@ class CrossAttention(nn.Module):
         self.v_proj = nn.Linear(c.dim, c.dim)
         self.out_proj = nn.Linear(c.dim, c.dim)
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape  # kv: [2, H, 1500, D]
+    def scores(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Each query's scaled dot products with the window's keys [1, H, S, 1500] float32 (before the softmax:
+        what openai-whisper's word timing reads from its alignment heads)."""
+        d = x.shape[-1]  # kv: [2, H, 1500, D]
         q = _heads(self.q_proj(x), self.n_heads)
+        return torch.matmul(q, kv[0:1].transpose(-1, -2)).float() * (d // self.n_heads) ** -0.5
+
+    def attend(self, x: torch.Tensor, kv: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
         # Written out, softmax in float32, as the self-attention: SDPA with a dynamic query length is the kind
         # of CUDA path torch 2.11 could not export for the Voxtral decoder. Every position sees the whole window.
-        scores = torch.matmul(q, kv[0:1].transpose(-1, -2)).float() * (d // self.n_heads) ** -0.5  # [1, H, S, 1500]
         y = torch.matmul(torch.softmax(scores, dim=-1).to(kv.dtype), kv[1:2])  # [1, H, S, D]
         return self.out_proj(y.transpose(1, 2).reshape(b, s, d))
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return self.attend(x, kv, self.scores(x, kv))
 
 
 class DecoderLayer(nn.Module):
@@ -155,9 +166,15 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.dim)
 
     def forward(self, x, input_pos, mask, kv):
+        return self.forward_with_scores(x, input_pos, mask, kv)[0]
+
+    def forward_with_scores(self, x, input_pos, mask, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and its cross-attention scores [1, H, S, 1500] (before the softmax)."""
         x = x + self.self_attn(self.self_attn_layer_norm(x), input_pos, mask)
-        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), kv)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        h = self.encoder_attn_layer_norm(x)
+        scores = self.encoder_attn.scores(h, kv)
+        x = x + self.encoder_attn.attend(h, kv, scores)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x)))), scores
 
 
 class Decoder(nn.Module):
@@ -175,6 +192,7 @@ class Whisper(nn.Module):
         self.config = config
         self.encoder = AudioTower(config.audio)
         self.decoder = Decoder(config.text)
+        self.alignment_heads = default_alignment_heads(config.text)
 
     def setup_caches(self, max_seq_len: int, dtype: torch.dtype | None = None) -> None:
         t = self.config.text
@@ -267,8 +285,50 @@ class DecoderMethod(nn.Module):
         ).float()
 
 
-def methods(m: Whisper) -> Methods:
+class AlignmentMethod(nn.Module):
+    """openai-whisper's forward for word timing (`timing.find_alignment`): a whole token sequence [1, S] decoded
+    at once over one window's cross_kv, without the KV cache (causal within the sequence), ->
+        scores [A, S, 1500] f32: the cross-attention scores (before the softmax) of the A alignment heads,
+        probs  [S] f32:          each id's probability given the ones before it, among the text tokens (ids below
+                                 `eot`, as openai-whisper's word probabilities; the first id's: 1).
+    The module's parameters are the decoder's (the same FQNs as DecoderMethod): the bundle keeps one copy."""
+
+    def __init__(self, m: Whisper, eot: int):
+        super().__init__()
+        d = m.decoder
+        self.embed_tokens, self.embed_positions, self.layers, self.layer_norm = (
+            d.embed_tokens,
+            d.embed_positions,
+            d.layers,
+            d.layer_norm,
+        )
+        self.heads, self.eot = [tuple(h) for h in m.alignment_heads], eot
+
+    def forward(self, ids: torch.Tensor, cross_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        mask = pos[None, :] <= pos[:, None]  # [S, S]: causal
+        x = self.embed_tokens(ids) + self.embed_positions(pos)[None]
+        picked = []
+        for i, layer in enumerate(self.layers):
+            x, scores = layer.forward_with_scores(x, None, mask, cross_kv[i])
+            picked += [scores[0, h] for layer_index, h in self.heads if layer_index == i]  # each [S, 1500]
+        logits = torch.matmul(self.layer_norm(x[0]), self.embed_tokens.weight.t()).float()[:, : self.eot]
+        probs = torch.softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None].clamp(max=self.eot - 1))[:, 0]
+        return torch.stack(picked), torch.cat([torch.ones_like(probs[:1]), probs])
+
+
+def default_alignment_heads(c: WhisperTextConfig) -> tuple[tuple[int, int], ...]:
+    """openai-whisper's default where a model names none: every head of the decoder's second half of layers."""
+    return tuple((layer, h) for layer in range(c.n_layers // 2, c.n_layers) for h in range(c.n_heads))
+
+
+def methods(m: Whisper, eot: int | None = None) -> Methods:
+    """The bundle's methods over `m`; with the tokenizer's `eot`, the word-timing method too."""
     device = m.decoder.embed_tokens.weight.device
     return Methods(
-        LogMelSpectrogram(m.config.audio.n_mels).to(device), EncoderMethod(m), TokenEmbeddingMethod(m), DecoderMethod(m)
+        LogMelSpectrogram(m.config.audio.n_mels).to(device),
+        EncoderMethod(m),
+        TokenEmbeddingMethod(m),
+        DecoderMethod(m),
+        AlignmentMethod(m, eot) if eot is not None else None,
     )

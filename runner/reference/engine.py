@@ -35,6 +35,7 @@ class EagerEngine(Engine):
         self.max_seq_len, self.max_audio_chunks, self.encoder_dtype = max_seq_len, max_audio_chunks, encoder_dtype
         if cross_attention:
             self.cross = CrossAttended()
+        self.aligns = methods.alignment is not None and cross_attention
         self.batch, self.slots = batch, list(slots)
         self.max_batch = slots[0][0].shape[0] if batch is not None else 1
 
@@ -63,6 +64,12 @@ class EagerEngine(Engine):
 
     def reset(self):
         self._reset()
+
+    @torch.inference_mode()
+    def align(self, ids):
+        if not self.aligns:
+            return super().align(ids)
+        return self.methods.alignment(ids.to(self.device), *self.cross.inputs())
 
     @torch.inference_mode()
     def admit(self, slot: int, length: int) -> None:

@@ -37,18 +37,22 @@ def whisper_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Whis
     load_state(model, state, source=str(bundle_dir), assign=True)
     model = model.to(device=device, dtype=dtype).eval()
     model.setup_caches(manifest.model["max_seq_len"], dtype)
+    if heads := manifest.model.get("alignment_heads"):
+        model.alignment_heads = tuple(tuple(h) for h in heads)
     return model
 
 
 def eager_engine(bundle_dir: Path, manifest: Manifest, device: str | None = None) -> EagerEngine:
     device = device or manifest.device
-    return engine_for(whisper_from_bundle(bundle_dir, manifest, device=device), device)
+    eot = manifest.model.get("special_tokens", {}).get("eot")
+    return engine_for(whisper_from_bundle(bundle_dir, manifest, device=device), device, eot)
 
 
-def engine_for(model: Whisper, device: str = "cpu") -> EagerEngine:
-    """Over an eager model with its caches set up (tests, and references without a bundle)."""
+def engine_for(model: Whisper, device: str = "cpu", eot: int | None = None) -> EagerEngine:
+    """Over an eager model with its caches set up (tests, and references without a bundle); with the tokenizer's
+    `eot`, word timing too."""
     return EagerEngine(
-        whisper.methods(model),
+        whisper.methods(model, eot),
         device=device,
         max_seq_len=model.decoder.layers[0].self_attn.kv_cache.k_cache.shape[2],
         max_audio_chunks=1,

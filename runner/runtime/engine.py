@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from runner.audio import N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK
-from runner.bundle import BATCH_METHOD, BATCH_STATE_PREFIX, STEP_METHOD
+from runner.bundle import ALIGN_METHOD, BATCH_METHOD, BATCH_STATE_PREFIX, STEP_METHOD
 from runner.dtypes import torch_dtype
 from runner.errors import AudioError, BundleError, GenerationError
 from runner.runtime.graphs import BatchGraphs, DecodeGraph, PrefillGraphs
@@ -73,6 +73,7 @@ class Engine:
     cross: CrossAttended | None = None
     pinned: PinnedHostBuffer | None = None  # the waveform's page-locked host buffer, kept (ProgramEngine on CUDA)
     scores: bool = False  # whether score() gives the logits of every position (a compiled decoder: the last only)
+    aligns: bool = False  # whether align() can run (word timing's forward: a bundle's `alignment` method)
 
     def __init__(self, state_lock: threading.Lock | None = None):
         # Held by the one caller using the KV cache (MultimodalRunner.exclusive): engines over one cache share it.
@@ -93,6 +94,13 @@ class Engine:
     def reset(self) -> None:
         """Empty the KV cache a prompt is prefilled into."""
         raise NotImplementedError
+
+    def align(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [1, S] over the window encoded last -> (the alignment heads' cross-attention scores [A, S, frames],
+        each id's probability [S]), both float32: word timing (a bundle with the `alignment` method)."""
+        raise GenerationError(
+            "--word-timestamps: this bundle has no alignment method (export it again with this version)"
+        )
 
     def decode_token(self, token: torch.Tensor, pos: int) -> torch.Tensor:  # [1, 1] -> logits [1, V]
         return decode_token(self, token, pos)
@@ -139,6 +147,8 @@ class ProgramEngine(Engine):
         _check_mel_bins(program, self._pre, self._enc)
         # the decoder exported for one token; a family without one decodes a token through text_decoder
         self._step = m.get(STEP_METHOD)
+        self._align = m.get(ALIGN_METHOD)  # word timing's forward, where the family exports one
+        self.aligns = self._align is not None and cross_attention
         # B tokens of B sequences in one step, each in a slot of its own cache (a bundle exported with --max-batch)
         self._batch = m.get(BATCH_METHOD)
         self.max_batch = model.get("max_batch", 1) if self._batch is not None else 1
@@ -205,6 +215,12 @@ class ProgramEngine(Engine):
 
     def embed(self, ids):
         return self._run(self._emb, ids)
+
+    def align(self, ids):
+        if not self.aligns:
+            return super().align(ids)
+        scores, probs = self._align(ids.to(self.device), *self.cross.inputs())
+        return scores, probs
 
     def decode(self, embeds, pos):
         p = self.prefill_chunk

@@ -137,6 +137,7 @@ class GenerationOptions:
     logprob_threshold: float | None = -1.0  # average log-probability below: fall back
     no_speech_threshold: float | None = 0.6  # no-speech probability above, with a log-probability below: silence
     condition_on_previous_text: bool = True  # the previous windows' text prompts the next (<|startofprev|>)
+    word_timestamps: bool = False  # each segment's words with their times (a family whose capabilities say so)
 
     def fallback_temperatures(self) -> tuple[float, ...]:
         """The temperatures a window is decoded at, in turn, until one decode is judged plausible."""

@@ -14,6 +14,20 @@ from runner.stats import Stats, now_ms
 
 
 @dataclass(frozen=True)
+class Word:
+    """A word of a segment with its times (seconds from the start of the file) and probability, as
+    openai-whisper's `word_timestamps` gives them."""
+
+    word: str
+    start: float
+    end: float
+    probability: float
+
+    def to_dict(self) -> dict:
+        return {"word": self.word, "start": self.start, "end": self.end, "probability": self.probability}
+
+
+@dataclass(frozen=True)
 class Segment:
     """A stretch of a file's transcript with its times (seconds from the start of the file), as openai-whisper's
     `transcribe` gives them: from timestamp tokens where the family has them, else the window's bounds."""
@@ -25,9 +39,10 @@ class Segment:
     avg_logprob: float | None = None
     no_speech_prob: float | None = None
     temperature: float | None = None
+    words: tuple[Word, ...] | None = None  # with --word-timestamps; None: not asked for
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "start": self.start,
             "end": self.end,
             "text": self.text,
@@ -36,6 +51,9 @@ class Segment:
             "no_speech_prob": self.no_speech_prob,
             "temperature": self.temperature,
         }
+        if self.words is not None:
+            d["words"] = [w.to_dict() for w in self.words]
+        return d
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ def test_context_end_stops_with_a_message_not_an_exception(tiny_bundle, capsys):
         (["--max-new-tokens", "-1"], "--max-new-tokens"),
         (["--language", "xx"], "unknown language 'xx'"),
         (["--top-p", "0"], "--top-p"),
+        (["--word-timestamps"], "--word-timestamps: a voxtral bundle gives no word times"),  # capabilities
     ],
 )
 def test_bad_options_are_one_error_line(tiny_bundle, capsys, args, message):

@@ -61,7 +61,7 @@ def eager_runner(whisper, tokenizer):
 
     model = copy.deepcopy(whisper[0])
     model.setup_caches(model.config.text.max_target_positions)
-    return MultimodalRunner(engine_for(model), tokenizer, None)
+    return MultimodalRunner(engine_for(model, eot=tokenizer.eos_id), tokenizer, None)
 
 
 def prompts(tokenizer, path, prompt=None, language=None):
@@ -290,3 +290,50 @@ def test_reference_eager_holds_eager_to_the_long_forms_rules(whisper_bundle, cap
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("eager reference: match") == 2, err
+
+
+def test_word_timestamps_from_the_bundle_are_the_eager_models_and_write_word_cues(
+    whisper_bundle, eager_runner, tmp_path, capsys
+):
+    """`run --word-timestamps`: the bundle's alignment method gives eager's words and times (eager's are
+    openai-whisper's: tests/families/test_whisper_longform.py), in the --json record's segments, and the .srt
+    cues follow the words."""
+    from runner.app.cli import main
+    from runner.families.whisper import WhisperFamily
+
+    path = AUDIO / "speech.wav"
+    opts = GenerationOptions(max_new_tokens=100, word_timestamps=True)
+    want = eager_runner.generate_windows(WhisperFamily(eager_runner.tok).prompts(path, None, None, 1), opts)
+    argv = ["run", "--bundle", str(whisper_bundle), "--audio", str(path), "--json", "--max-new-tokens", "100"]
+    argv += ["--word-timestamps", "--output-format", "srt", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    got = [w for s in record["segments"] for w in s["words"]]
+    expected = [w for s in want.segments for w in s.words]
+    assert len(got) >= 5 and [w["word"] for w in got] == [w.word for w in expected]
+    for g, e in zip(got, expected):
+        assert (g["start"], g["end"]) == (pytest.approx(e.start, abs=0.021), pytest.approx(e.end, abs=0.021))
+        assert g["probability"] == pytest.approx(e.probability, abs=1e-3)
+    first_cue = (tmp_path / "speech.srt").read_text().splitlines()[1]
+    start = got[0]["start"]
+    assert first_cue.startswith(f"00:00:{int(start):02d},{round(start * 1000) % 1000:03d} --> ")
+
+
+def test_word_timestamps_on_a_bundle_without_the_alignment_method_is_one_line(whisper_bundle, tmp_path, capsys):
+    """A Whisper bundle from before the alignment method: --word-timestamps is refused before any file runs."""
+    import shutil
+
+    from runner.app.cli import main
+    from runner.bundle import MANIFEST_NAME
+
+    old = tmp_path / "old"
+    shutil.copytree(whisper_bundle, old)
+    manifest = json.loads((old / MANIFEST_NAME).read_text())
+    del manifest["methods"]["alignment"], manifest["files"]["alignment.so"]
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (old / "alignment.so").unlink()
+    argv = ["run", "--bundle", str(old), "--audio", str(AUDIO / "short.wav"), "--word-timestamps"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --word-timestamps:") and "alignment method" in err[-1]
+    assert main(argv[:-1]) == 0  # without the flag it runs as before

@@ -46,7 +46,7 @@ def ours(loaded):
 
     model, tok = copy.deepcopy(loaded[0]), loaded[1]
     model.setup_caches(model.config.text.max_target_positions)
-    runner = MultimodalRunner(engine_for(model), tok, None)
+    runner = MultimodalRunner(engine_for(model, eot=tok.eos_id), tok, None)
 
     def transcribe(path, **opts):
         return runner.generate_windows(WhisperFamily(tok).prompts(path, None, None, 1), GenerationOptions(**opts))
@@ -153,3 +153,52 @@ def test_silence_is_judged_as_openai_whisper_judges_it(tmp_path, ours, reference
     assert zeros.text == ref["text"]
     assert [(s.start, s.end) for s in zeros.segments] == [(s["start"], s["end"]) for s in ref["segments"]]
     assert sum(p.stats.audio_seconds for p in zeros.parts) == pytest.approx(40, abs=0.02)  # the windows tile it
+
+
+def test_word_timestamps_are_openai_whispers(tmp_path_factory, ours, reference):
+    """--word-timestamps: the words and their times as openai-whisper's `word_timestamps=True` finds them on the
+    same audio and weights (its alignment heads for tiny.en, set from its own constant): the same words, each
+    start within 50 ms in the median (fp32 both sides: in practice equal), and the segments' bounds moved to
+    their words' as its are."""
+    import difflib
+    import statistics
+
+    path, _ = recording(tmp_path_factory, 1.2)
+    mine = ours(path, max_new_tokens=None, word_timestamps=True)
+    reference.set_alignment_heads(whisper_pkg._ALIGNMENT_HEADS["tiny.en"])
+    ref = whisper_pkg.transcribe(reference, load_audio(path), fp16=False, language="en", word_timestamps=True)
+    got = [w for s in mine.segments for w in s.words]
+    want = [w for s in ref["segments"] for w in s["words"]]
+    assert len(got) > 100 and all(w.start <= w.end for w in got)
+    blocks = difflib.SequenceMatcher(a=[w.word for w in got], b=[w["word"] for w in want], autojunk=False)
+    pairs = [(got[b.a + k], want[b.b + k]) for b in blocks.get_matching_blocks() for k in range(b.size)]
+    assert len(pairs) >= 0.95 * len(want)
+    print(
+        f"\n{len(pairs)} of {len(want)} words matched; median |start - openai-whisper's|: "
+        f"{statistics.median(abs(a.start - b['start']) for a, b in pairs) * 1000:.1f} ms",
+        file=sys.stderr,
+    )
+    assert statistics.median(abs(a.start - b["start"]) for a, b in pairs) <= 0.05
+    assert statistics.median(abs(a.end - b["end"]) for a, b in pairs) <= 0.05
+    assert all(abs(a.probability - b["probability"]) < 0.01 for a, b in pairs)
+    first = mine.segments[0]
+    assert (first.start, first.end) == (first.words[0].start, first.words[-1].end) or first.words == ()
+
+
+def test_alignment_heads_are_openai_whispers_constant(loaded):
+    """tiny.en's alignment heads, as our converter sets them, are openai-whisper's public constant for it."""
+    import numpy as np
+
+    mask = np.zeros((4, 6), bool)
+    for layer, head in loaded[0].alignment_heads:
+        mask[layer, head] = True
+    assert (mask == _decoded_heads(whisper_pkg._ALIGNMENT_HEADS["tiny.en"])).all()
+
+
+def _decoded_heads(dump: bytes):
+    import base64
+    import gzip
+
+    import numpy as np
+
+    return np.frombuffer(gzip.decompress(base64.b85decode(dump)), dtype=bool).reshape(4, 6)

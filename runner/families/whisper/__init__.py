@@ -61,7 +61,7 @@ def windows(samples, ids: tuple[int, ...]) -> list[Prompt]:
 
 class WhisperFamily:
     name = NAME
-    capabilities = Capabilities(timestamps=True)
+    capabilities = Capabilities(timestamps=True, word_timestamps=True)
     cross_attention = True
     audio_id = None  # cross-attended: the audio takes no decoder positions
 

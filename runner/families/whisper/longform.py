@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from runner.audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE
+from runner.families.whisper.timing import add_word_timestamps, last_end
 from runner.families.whisper.tokenizer import WhisperTokenizer
 from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner, TextSegment, WindowPlan
 from runner.runtime.results import GenerationResult, Segment, TextJoiner, join_results, window_result
@@ -25,6 +26,7 @@ from runner.stats import Stats, now_ms
 
 INPUT_STRIDE = 2  # mel frames per encoder position: N_FRAMES / n_audio_ctx
 TIME_PRECISION = INPUT_STRIDE * HOP_LENGTH / SAMPLE_RATE  # seconds per timestamp step: 0.02
+FRAMES_PER_SECOND = SAMPLE_RATE // HOP_LENGTH  # mel frames: 100
 MAX_INITIAL_TIMESTAMP = 1.0  # DecodingOptions.max_initial_timestamp: the first timestamp at most 1 s in
 
 # openai-whisper's Tokenizer.non_speech_tokens: speaker tags, music and annotation symbols, each suppressed where
@@ -167,7 +169,10 @@ class LongForm(WindowPlan):
             size = min(N_FRAMES, content - state.seek)
             attempts = self._decode_with_fallback(runner, opts, state, size, gen)
             kept = attempts[-1]
-            advance, segments, used = self._segments(kept, state.seek, size, opts)
+            advance, segments, used, single_ending = self._segments(kept, state.seek, size, opts)
+            if opts.word_timestamps:
+                segments, advance = self._words(runner.engine, state, segments, size, advance, single_ending)
+            segments = [_cleared(seg) for seg in segments]
             s.audio_seconds = advance * HOP_LENGTH / SAMPLE_RATE  # this window's stretch: the records' bounds
             s.prompt_tokens = len(kept.prompt_ids)
             s.prompt_eval_end_ms, s.first_token_ms = kept.prefilled_ms, kept.first_token_ms
@@ -242,11 +247,22 @@ class LongForm(WindowPlan):
         first_token_ms = first_token_ms or now_ms()  # no token picked (the limit): the decode's end
         return Attempt(t, prompt_ids, tokens, recorded, total, no_speech, stop, text, prefilled_ms, first_token_ms)
 
+    def _words(self, engine, state: _State, segments: list[Segment], size: int, advance: int, single_ending: bool):
+        """The window's segments with word timestamps, and the frames to advance: to the last word's end where
+        the window does not end in a single timestamp (transcribe's seek with word_timestamps)."""
+        offset = state.seek * HOP_LENGTH / SAMPLE_RATE
+        segments = add_word_timestamps(engine, self.tok, self.sot_sequence, segments, offset, size, state.last_speech)
+        end = last_end(segments)
+        if not single_ending and end is not None and end > offset:
+            advance = round(end * FRAMES_PER_SECOND) - state.seek
+        state.last_speech = end if end is not None else state.last_speech
+        return segments, advance
+
     def _segments(self, a: Attempt, seek: int, size: int, opts: GenerationOptions):
-        """transcribe's segmenting of a kept decode: (frames to advance, its segments, tokens of it kept). A silent
-        window advances `size` with nothing kept."""
+        """transcribe's segmenting of a kept decode: (frames to advance, its segments, tokens of it kept, whether
+        it ends in a single timestamp). A silent window advances `size` with nothing kept."""
         if a.is_silence(opts):
-            return size, [], 0
+            return size, [], 0, False
         tb, offset = self.rules.timestamp_begin, seek * HOP_LENGTH / SAMPLE_RATE
         tokens = a.tokens
         stamp = [x >= tb for x in tokens]
@@ -257,7 +273,7 @@ class LongForm(WindowPlan):
             end = size * HOP_LENGTH / SAMPLE_RATE
             if stamps and stamps[-1] != tb:
                 end = (stamps[-1] - tb) * TIME_PRECISION
-            return size, [self._segment(a, offset, offset + end, tokens)], len(tokens)
+            return size, [self._segment(a, offset, offset + end, tokens)], len(tokens), single_ending
         if single_ending:
             cuts.append(len(tokens))
         out, last = [], 0
@@ -267,13 +283,19 @@ class LongForm(WindowPlan):
             out.append(self._segment(a, start, end, piece))
             last = cut
         advance = size if single_ending else (tokens[last - 1] - tb) * INPUT_STRIDE
-        return advance, out, last
+        return advance, out, last, single_ending
 
     def _segment(self, a: Attempt, start: float, end: float, tokens: list[int]) -> Segment:
         text = self.tok.decode([x for x in tokens if x < self.rules.eot])
-        if start == end or not text.strip():  # instantaneous or blank: kept for its times, without text
-            text, tokens = "", []
         return Segment(start, end, text, tuple(tokens), a.avg_logprob, a.no_speech_prob, a.temperature)
+
+
+def _cleared(s: Segment) -> Segment:
+    """An instantaneous or blank segment is kept for its times, without text, tokens or words (after word timing,
+    which reads its tokens, as transcribe does)."""
+    if s.start == s.end or not s.text.strip():
+        return replace(s, text="", tokens=(), words=() if s.words is not None else None)
+    return s
 
 
 @dataclass
@@ -287,6 +309,7 @@ class _State:
     outcomes: list[tuple[list[Attempt], bool]] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     prompts: list[list] = field(default_factory=list)
+    last_speech: float = 0.0  # where the last word ended (word timing's pause heuristics)
 
     def add(self, r: GenerationResult, attempts: list[Attempt], segments: list[Segment], opts, silent: bool) -> None:
         self.windows.append(r)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runner.digests import sha256_file
-from runner.errors import ExportError, RunnerError
+from runner.errors import ExportError
 from runner.export import mistral_format
 from runner.families.voxtral import AUDIO_TOKEN, Tekken
 from runner.fixtures import fixtures_dir
+from runner.json_file import read_json_object
 from runner.models.state import empty_model, load_state
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_config import VoxtralConfig, preset
@@ -30,6 +32,7 @@ from runner.models.voxtral_config import VoxtralConfig, preset
 FIXTURES = fixtures_dir()  # the checkout's fixtures/, or the installed copy
 TINY_CHECKPOINT = FIXTURES / "voxtral-tiny"  # config.json (tokenizer: fixtures/tekken.json); weights are seeded
 TINY_SEED = 0
+FLOAT32_BYTES = 4
 
 # The key layouts HF-format Voxtral checkpoints come in, as (prefix in the file, prefix in ours) pairs. Ours is
 # the published one (mistralai/Voxtral-Mini-3B-2507's model-*.safetensors), which save_pretrained writes in
@@ -80,11 +83,14 @@ def hf_weight_files(ckpt: Path) -> list[Path]:
     """model.safetensors, or the shards its index names (never a pickle; Mistral's consolidated files left out)."""
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
-            raise ExportError(f"{index}: malformed index ({e})") from None
-        return [ckpt / s for s in shards]
+        weight_map = read_json_object(index, ExportError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ExportError(f"{index}: malformed index (weight_map is not a JSON object)")
+        shards = set(weight_map.values())
+        bad = next((s for s in shards if not isinstance(s, str) or Path(s).name != s or s in ("", ".", "..")), None)
+        if bad is not None:  # a name outside the directory would read a file the checkpoint does not hold
+            raise ExportError(f"{index}: malformed index (shard {bad!r} is not a file name in the checkpoint)")
+        return [ckpt / s for s in sorted(shards)]
     # Mistral's consolidated*.safetensors may sit beside the HF files (the hub repository has both)
     consolidated = set(ckpt.glob(mistral_format.WEIGHTS_GLOB))
     return sorted(p for p in ckpt.glob("*.safetensors") if p not in consolidated)
@@ -113,8 +119,50 @@ def read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
     return state, digest.hexdigest()
 
 
+def param_count(config: VoxtralConfig) -> int:
+    """The model's parameters (runner/models/voxtral.py's modules), counted from its config alone: what a
+    checkpoint's config asks to allocate, known before anything is."""
+    a, t = config.audio, config.text
+    convs = a.n_mels * a.dim * 3 + a.dim + a.dim * a.dim * 3 + a.dim
+    audio_layer = 4 * a.dim * a.dim + 4 * a.dim + 4 * a.dim + 2 * a.dim * a.ffn_dim + a.ffn_dim + a.dim
+    audio = convs + a.max_source_positions * a.dim + a.n_layers * audio_layer + 2 * a.dim
+    projector = a.ffn_dim * t.dim + t.dim * t.dim
+    attention = t.dim * (t.n_heads + 2 * t.n_kv_heads) * t.head_dim + t.n_heads * t.head_dim * t.dim
+    text_layer = attention + 3 * t.dim * t.ffn_dim + 2 * t.dim
+    return audio + projector + 2 * t.vocab_size * t.dim + t.n_layers * text_layer + t.dim
+
+
+def host_memory() -> int | None:
+    """What this machine's memory can hold: psutil's available memory where psutil is installed, else the
+    physical memory (a bound that never refuses what freeing the page cache would make room for); None where
+    neither is known."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_host_memory(config_file: Path, params: int, available: int | None) -> None:
+    """The model `config_file` describes is built in float32 on the host, its checkpoint's tensors read beside it:
+    refused before either if the float32 weights alone exceed what the host holds."""
+    need = params * FLOAT32_BYTES
+    if available is not None and need > available:
+        raise ExportError(
+            f"{config_file}: describes a model of {params / 1e9:.3g} B parameters ({need / 2**30:.1f} GiB in "
+            f"float32), more than this machine's {available / 2**30:.1f} GiB of memory"
+        )
+
+
 def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str]:
-    model = Voxtral(VoxtralConfig.from_hf_file(ckpt / "config.json"))
+    config = VoxtralConfig.from_hf_file(ckpt / "config.json")
+    check_host_memory(ckpt / "config.json", param_count(config), host_memory())
+    model = Voxtral(config)
     state, digest = read_weights(files)
     pairs = _hf_layout(state, set(model.to_hf_layout(model.state_dict())))
     renamed = {_rename(k, pairs): k for k in state}
@@ -129,16 +177,15 @@ def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str]:
     return model, digest
 
 
-def _load_mistral(ckpt: Path, files: list[Path], tekken: Path) -> tuple[Voxtral, str]:
+def _load_mistral(ckpt: Path, files: list[Path], tokenizer: Tekken) -> tuple[Voxtral, str]:
     params_file = ckpt / mistral_format.PARAMS
+    params = read_json_object(params_file, ExportError)
+    audio_id = tokenizer.special_id(AUDIO_TOKEN)
     try:
-        params = json.loads(params_file.read_text())
-        audio_id = Tekken.from_file(tekken).special_id(AUDIO_TOKEN)
         config = mistral_format.config_from_params(params, audio_id)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ExportError(f"{params_file}: cannot read ({e})") from None
-    except RunnerError as e:
-        raise ExportError(f"{ckpt}/{e}" if str(e).startswith(mistral_format.PARAMS) else str(e)) from None
+    except ExportError as e:
+        raise ExportError(f"{params_file}: {e}") from None
+    check_host_memory(params_file, param_count(config), host_memory())
     model = Voxtral(config)
     state, digest = read_weights(files)
     hf, names = mistral_format.to_hf_state(state, config)
@@ -157,14 +204,15 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     has_config, has_params = (ckpt / "config.json").is_file(), (ckpt / mistral_format.PARAMS).is_file()
     hf_files = hf_weight_files(ckpt) if has_config else []
     mistral_files = sorted(ckpt.glob(mistral_format.WEIGHTS_GLOB)) if has_params else []
+    if not has_config and not has_params:
+        raise ExportError(f"{ckpt}: missing config.json (or Mistral's {mistral_format.PARAMS})")
+    if not hf_files and not mistral_files:
+        raise no_weights(ckpt)
+    tokenizer = Tekken.from_file(tekken)  # a bad one is refused before minutes of loading weights
     if hf_files:
         model, digest = _load_hf(ckpt, hf_files)
-    elif mistral_files:
-        model, digest = _load_mistral(ckpt, mistral_files, tekken)
-    elif not has_config and not has_params:
-        raise ExportError(f"{ckpt}: missing config.json (or Mistral's {mistral_format.PARAMS})")
     else:
-        raise no_weights(ckpt)
+        model, digest = _load_mistral(ckpt, mistral_files, tokenizer)
     source = ModelSource("checkpoint", ckpt.resolve().name, digest)
     return model.to(dtype).eval(), source, tekken
 

@@ -15,6 +15,7 @@ import re
 import torch
 
 from runner.errors import ExportError
+from runner.models.config_fields import divides, real, section, whole
 from runner.models.voxtral_config import PROJECTOR_GROUP, VoxtralConfig
 
 PARAMS = "params.json"
@@ -80,63 +81,82 @@ def mistral_name(hf_key: str) -> str:
 # ---------------------------------------------------------------- params.json
 
 
-def _need(d: dict, key: str, where: str):
-    if key not in d or d[key] is None:
-        raise ExportError(f"{PARAMS}: missing {where}{key}")
-    return d[key]
+def _need(d: dict, key: str, where: str, field: str | None = None):
+    """d[key], present and not null; checked as our config's `field` (a whole number within its bound) if named."""
+    if d.get(key) is None:
+        raise ExportError(f"missing {where}{key}")
+    return whole(d[key], where + key, field) if field else d[key]
+
+
+def _real(d: dict, key: str) -> float:
+    return real(_need(d, key, ""), key)
 
 
 def config_from_params(params: dict, audio_token_id: int) -> VoxtralConfig:
-    """params.json -> our config, through the HF spelling so the same checks apply (convert_config's mapping)."""
+    """params.json -> our config, through the HF spelling so the same checks apply (convert_config's mapping).
+    Every field is checked as params.json spells it before anything is built; errors name no file (the caller's)."""
     if not isinstance(params, dict):
-        raise ExportError(f"{PARAMS}: not a JSON object")
+        raise ExportError("not a JSON object")
     for unsupported in ("moe", "yarn", "quantization", "lora", "vision_encoder"):
         if params.get(unsupported):
-            raise ExportError(f"{PARAMS}: {unsupported!r} is not supported (Voxtral Mini has none)")
+            raise ExportError(f"{unsupported!r} is not supported (Voxtral Mini has none)")
     if params.get("sliding_window") is not None:
-        raise ExportError(f"{PARAMS}: sliding-window attention is not supported")
+        raise ExportError("sliding-window attention is not supported")
     if params.get("use_biases"):
-        raise ExportError(f"{PARAMS}: text model must be Llama-style (no biases)")
-    whisper = (params.get("multimodal") or {}).get("whisper_model_args")
-    if not isinstance(whisper, dict):
-        raise ExportError(f"{PARAMS}: no multimodal.whisper_model_args: not an audio (Voxtral) model")
-    enc = _need(whisper, "encoder_args", "multimodal.whisper_model_args.")
-    where = "multimodal.whisper_model_args.encoder_args."
+        raise ExportError("text model must be Llama-style (no biases)")
+    whisper = section(section(params, "multimodal"), "whisper_model_args", "multimodal.")
+    if not whisper:
+        raise ExportError("no multimodal.whisper_model_args: not an audio (Voxtral) model")
+    if whisper.get("encoder_args") is None:
+        raise ExportError("missing multimodal.whisper_model_args.encoder_args")
+    enc = section(whisper, "encoder_args", "multimodal.whisper_model_args.")
     if enc.get("causal") or enc.get("pos_embed", "sinusoidal") != "sinusoidal":
-        raise ExportError(f"{PARAMS}: a causal / rotary audio encoder is Voxtral Realtime, not this family")
-    factor = (whisper.get("downsample_args") or {}).get("downsample_factor", PROJECTOR_GROUP)
+        raise ExportError("a causal / rotary audio encoder is Voxtral Realtime, not this family")
+    downsample = section(whisper, "downsample_args", "multimodal.whisper_model_args.")
+    factor = downsample.get("downsample_factor", PROJECTOR_GROUP)
     if factor != PROJECTOR_GROUP:
-        raise ExportError(f"{PARAMS}: downsample_factor {factor} (the projector groups {PROJECTOR_GROUP} frames)")
-    dim, heads = _need(enc, "dim", where), _need(enc, "n_heads", where)
-    if enc.get("head_dim") not in (None, dim // heads):
-        raise ExportError(f"{PARAMS}: audio head_dim {enc['head_dim']} is not dim / n_heads ({dim // heads})")
+        raise ExportError(f"downsample_factor {factor} (the projector groups {PROJECTOR_GROUP} frames)")
+    heads = _need(params, "n_heads", "", "n_heads")
+    divides(heads, "n_heads", _need(params, "n_kv_heads", "", "n_kv_heads"), "n_kv_heads")
     hf = {
-        "audio_config": {
-            "hidden_size": dim,
-            "intermediate_size": _need(enc, "hidden_dim", where),
-            "num_hidden_layers": _need(enc, "n_layers", where),
-            "num_attention_heads": heads,
-            "num_mel_bins": _need(enc.get("audio_encoding_args") or {}, "num_mel_bins", where + "audio_encoding_args."),
-            "max_source_positions": enc.get("max_source_positions") or 1500,
-        },
+        "audio_config": _audio_from_params(enc),
         "text_config": {
-            "vocab_size": _need(params, "vocab_size", ""),
-            "hidden_size": _need(params, "dim", ""),
-            "intermediate_size": _need(params, "hidden_dim", ""),
-            "num_hidden_layers": _need(params, "n_layers", ""),
-            "num_attention_heads": _need(params, "n_heads", ""),
-            "num_key_value_heads": _need(params, "n_kv_heads", ""),
-            "head_dim": _need(params, "head_dim", ""),
-            "rms_norm_eps": _need(params, "norm_eps", ""),
-            "rope_theta": _need(params, "rope_theta", ""),
+            "vocab_size": _need(params, "vocab_size", "", "vocab_size"),
+            "hidden_size": _need(params, "dim", "", "dim"),
+            "intermediate_size": _need(params, "hidden_dim", "", "ffn_dim"),
+            "num_hidden_layers": _need(params, "n_layers", "", "n_layers"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": params["n_kv_heads"],
+            "head_dim": _need(params, "head_dim", "", "head_dim"),
+            "rms_norm_eps": _real(params, "norm_eps"),
+            "rope_theta": _real(params, "rope_theta"),
             "tie_word_embeddings": bool(params.get("tied_embeddings", False)),
         },
         "audio_token_id": audio_token_id,
     }
-    try:
-        return VoxtralConfig.from_hf(hf)
-    except ExportError as e:
-        raise ExportError(f"{PARAMS}: {str(e).removeprefix('config.json: ')}") from None
+    return VoxtralConfig.from_hf(hf)
+
+
+def _audio_from_params(enc: dict) -> dict:
+    """multimodal.whisper_model_args.encoder_args -> HF's audio_config, each field checked as params.json spells it."""
+    where = "multimodal.whisper_model_args.encoder_args."
+    dim, heads = _need(enc, "dim", where, "dim"), _need(enc, "n_heads", where, "n_heads")
+    divides(dim, where + "dim", heads, where + "n_heads")
+    if enc.get("head_dim") not in (None, dim // heads):
+        raise ExportError(f"audio head_dim {enc['head_dim']} is not dim / n_heads ({dim // heads})")
+    ffn = _need(enc, "hidden_dim", where, "ffn_dim")
+    if ffn != PROJECTOR_GROUP * dim:
+        raise ExportError(f"{where}hidden_dim ({ffn}) must be {PROJECTOR_GROUP} x {where}dim ({dim})")
+    mel = section(enc, "audio_encoding_args", where)
+    positions = enc.get("max_source_positions") or 1500
+    return {
+        "hidden_size": dim,
+        "intermediate_size": ffn,
+        "num_hidden_layers": _need(enc, "n_layers", where, "n_layers"),
+        "num_attention_heads": heads,
+        "num_mel_bins": _need(mel, "num_mel_bins", where + "audio_encoding_args.", "n_mels"),
+        "max_source_positions": whole(positions, where + "max_source_positions", "max_source_positions"),
+    }
 
 
 # ---------------------------------------------------------------- weights

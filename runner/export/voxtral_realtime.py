@@ -13,17 +13,26 @@ delay) come from tekken.json's `audio` section, as mistral-common reads them.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
 import torch.fx.experimental._config as fx_config
 
 from runner.bundle import StateSpec
-from runner.errors import ExportError
-from runner.export.checkpoint import ModelSource, hf_weight_files, no_weights, read_weights
+from runner.errors import ExportError, RunnerError
+from runner.export.checkpoint import (
+    ModelSource,
+    check_host_memory,
+    hf_weight_files,
+    host_memory,
+    no_weights,
+    read_weights,
+)
 from runner.export.methods import MethodPlan, TracedSlots, dtype_name, method_spec
 from runner.export.pipeline import (
     DTYPES,
@@ -34,9 +43,11 @@ from runner.export.pipeline import (
     source_digest,
 )
 from runner.export.registry import ExportFamily, Loaded, LoadRequest, register
+from runner.export.self_check import LOAD_HEADROOM
 from runner.families.voxtral import Tekken
 from runner.families.voxtral_realtime import METHODS, NAME, SPECIAL_TOKENS
 from runner.fixtures import fixtures_dir
+from runner.json_file import TOKENIZER_MAX_BYTES, read_json_object
 from runner.models.state import empty_model, load_state
 from runner.models.voxtral_realtime import (
     DecoderState,
@@ -47,11 +58,15 @@ from runner.models.voxtral_realtime import (
     VoxtralRealtime,
     step_window,
 )
-from runner.models.voxtral_realtime_config import RealtimeConfig, preset
+from runner.models.voxtral_realtime_config import ADA_DIM, CONV_STRIDE, RealtimeConfig, preset
+from runner.runtime.weights import free_device_bytes
+
+log = logging.getLogger(__name__)
 
 SOURCE_FILES = ("models/voxtral_realtime.py", "models/voxtral_realtime_config.py", "export/voxtral_realtime.py")
 TINY_DIR = fixtures_dir() / "voxtral-realtime-tiny"  # config.json (HF layout) + tekken.json with streaming config
 OFFLINE_STREAMING_BUFFER_TOKENS = 10  # mistral-common's allowance for the longest word, in right padding
+MAX_PAD_POSITIONS = 1 << 12  # a delay or left padding of more (over 5 minutes) is not a streaming config
 
 
 # save_pretrained writes the 4.x layout (`language_model.model.*`, `language_model.lm_head.*`: transformers'
@@ -66,9 +81,12 @@ def _normalise_key(k: str) -> str:
     return k
 
 
-def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tuple[VoxtralRealtime, ModelSource]:
+def load_checkpoint(
+    ckpt: str | Path, dtype: torch.dtype = torch.float32, tokenizer: Path | None = None
+) -> tuple[VoxtralRealtime, ModelSource]:
     """What `VoxtralRealtimeForConditionalGeneration.save_pretrained` writes: config.json + safetensors (either key
-    layout). `lm_head.weight`, tied to the embeddings, is not needed; if present it must equal them."""
+    layout). `lm_head.weight`, tied to the embeddings, is not needed; if present it must equal them. The config
+    and the `tokenizer` file, if named, are checked before any weight is read."""
     ckpt = Path(ckpt)
     if not (ckpt / "config.json").is_file():
         raise ExportError(f"{ckpt}: missing config.json")
@@ -76,6 +94,9 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     files = hf_weight_files(ckpt)
     if not files:
         raise no_weights(ckpt)
+    if tokenizer is not None:
+        Tekken.from_file(tokenizer)
+    check_host_memory(ckpt / "config.json", param_count(config), host_memory())
     raw, digest = read_weights(files)
     state = {_normalise_key(k): v for k, v in raw.items()}
     head = state.pop("lm_head.weight", None)
@@ -85,6 +106,20 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     model = VoxtralRealtime(config)
     load_state(model, state, source=str(ckpt))
     return model.to(dtype).eval(), ModelSource("checkpoint", ckpt.resolve().name, digest)
+
+
+def param_count(c: RealtimeConfig) -> int:
+    """The model's parameters (runner/models/voxtral_realtime.py's modules; the output projection is the
+    embeddings), counted from its config alone."""
+    a, t = c.audio, c.text
+    convs = a.n_mels * a.dim * 3 + a.dim + a.dim * a.dim * 3 + a.dim
+    qkv = 3 * a.n_heads * a.head_dim
+    audio_layer = a.dim * qkv + qkv + a.n_heads * a.head_dim * a.dim + a.dim + 3 * a.dim * a.ffn_dim + 3 * a.dim
+    projector = a.dim * c.downsample_factor * t.dim + t.dim * t.dim
+    attention = t.dim * (t.n_heads + 2 * t.n_kv_heads) * t.head_dim + t.n_heads * t.head_dim * t.dim
+    text_layer = attention + 3 * t.dim * t.ffn_dim + 2 * t.dim + 2 * ADA_DIM * t.dim
+    text = t.vocab_size * t.dim + t.n_layers * text_layer + t.dim
+    return convs + a.n_layers * audio_layer + a.dim + projector + text
 
 
 def random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> tuple[VoxtralRealtime, ModelSource]:
@@ -97,8 +132,10 @@ def random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> tuple
 
 def streaming_constants(tekken_path: Path, samples_per_token: int) -> dict:
     """tekken.json's streaming audio config -> the manifest's padding and delay, in positions."""
+    audio = read_json_object(tekken_path, ExportError, TOKENIZER_MAX_BYTES).get("audio") or {}
+    if not isinstance(audio, dict):
+        raise ExportError(f"{tekken_path}: its audio config is not a JSON object")
     try:
-        audio = json.loads(Path(tekken_path).read_text()).get("audio") or {}
         if audio.get("transcription_format") != "streaming":
             raise ExportError(f"{tekken_path}: its audio config is not for streaming (transcription_format)")
         delay_samples = int(float(audio["transcription_delay_ms"]) / 1000 * audio.get("sampling_rate", 16000))
@@ -106,8 +143,11 @@ def streaming_constants(tekken_path: Path, samples_per_token: int) -> dict:
             raise ExportError(f"{tekken_path}: transcription_delay_ms is not a whole number of positions")
         delay = delay_samples // samples_per_token
         left = int(audio["streaming_n_left_pad_tokens"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise ExportError(f"{tekken_path}: cannot read its streaming audio config ({e})") from None
+    for name, positions in (("transcription_delay_ms", delay), ("streaming_n_left_pad_tokens", left)):
+        if not 0 <= positions <= MAX_PAD_POSITIONS:
+            raise ExportError(f"{tekken_path}: audio.{name} is {positions} positions (0 to {MAX_PAD_POSITIONS})")
     return {
         "num_delay_tokens": delay,
         "n_left_pad_tokens": left,
@@ -115,15 +155,79 @@ def streaming_constants(tekken_path: Path, samples_per_token: int) -> dict:
     }
 
 
-DEFAULT_STREAMS = {"cuda": 64, "cpu": 8}  # stream slots: each holds its state on the device from load
+DEFAULT_STREAMS = {"cuda": 64, "cpu": 8}  # stream slots, at most: each holds its state on the device from load
 CHECK_STREAMS = 2  # the eager model's slots during the self-check: batches of 1 and 2, rows at other positions
+# Beside the weights and the state while a step compiles: the trace's activations, Inductor's benchmark buffers,
+# the allocator's fragmentation.
+COMPILE_HEADROOM = 4 << 30
 
 
-def max_streams(opts: ExportOptions) -> int:
+def state_bytes_per_stream(c: RealtimeConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """One stream slot's state in bytes, (encoder_step's, decoder_step's): models/voxtral_realtime.py's
+    EncoderState (the convolutions' tails, each layer's K/V ring over its window and one step's frames) and
+    DecoderState (each layer's K/V ring over its window)."""
+    a, t = c.audio, c.text
+    ring = a.sliding_window - 1 + c.downsample_factor
+    enc = a.n_mels * 2 + a.dim * (3 - CONV_STRIDE) + a.n_layers * 2 * a.n_heads * ring * a.head_dim
+    dec = t.n_layers * 2 * t.n_kv_heads * t.sliding_window * t.head_dim
+    size = torch.empty((), dtype=dtype).element_size()
+    return enc * size, dec * size
+
+
+def bytes_needed(c: RealtimeConfig, dtype: torch.dtype, streams: int) -> int:
+    """The device memory an export of `streams` slots takes at its peak (W: the weights in `dtype`; E, D: one
+    slot's encoder and decoder state), the larger of
+      compiling a step: W + CHECK_STREAMS x (E + D) (the eager reference's state) + 2 x streams x max(E, D) (the
+        step's traced state, which AOTInductor clones: pipeline.release_compile_copies) + COMPILE_HEADROOM;
+      loading the bundle for the self-check: W (the eager model, which stays where the bundle's weights fit beside
+        it: self_check.make_room) + CHECK_STREAMS x (E + D) + W (the bundle's) + streams x (E + D) (both steps'
+        state, as `run` allocates it) + self_check.LOAD_HEADROOM."""
+    weights = param_count(c) * torch.empty((), dtype=dtype).element_size()
+    enc, dec = state_bytes_per_stream(c, dtype)
+    eager = weights + CHECK_STREAMS * (enc + dec)
+    compiling = eager + 2 * streams * max(enc, dec) + COMPILE_HEADROOM
+    loading = eager + weights + streams * (enc + dec) + LOAD_HEADROOM
+    return max(compiling, loading)
+
+
+def streams_that_fit(c: RealtimeConfig, dtype: torch.dtype, most: int, free: int) -> int:
+    """The most stream slots, up to `most`, whose export fits in `free` bytes (bytes_needed); 0: not even one."""
+    least, most = 0, most
+    while least < most:  # bytes_needed grows with the slots
+        mid = (least + most + 1) // 2
+        least, most = (mid, most) if bytes_needed(c, dtype, mid) <= free else (least, mid - 1)
+    return least
+
+
+def device_free_bytes(model: torch.nn.Module, device: str) -> int | None:
+    """The export device's free memory, counting the model's tensors already on it as free (bytes_needed counts
+    the weights); None off CUDA, where the slots are not sized."""
+    if torch.device(device).type != "cuda":
+        return None
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.is_cuda)
+    return free_device_bytes() + held
+
+
+def max_streams(opts: ExportOptions, config: RealtimeConfig | None = None, free: int | None = None) -> int:
+    """The export's stream slots: --max-streams, refused if its export does not fit in `free` bytes; without it,
+    the most up to the device's default that fit (all of them where `free` is None: off CUDA)."""
     n = opts.max_streams if opts.max_streams is not None else DEFAULT_STREAMS[opts.device]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ExportError(f"--max-streams {n}: a whole number, at least 1")
-    return n
+    if config is None or free is None:
+        return n
+    dtype = DTYPES[opts.dtype]
+    fit = streams_that_fit(config, dtype, n, free)
+    if fit == n:
+        return n
+    have = f"{free / 2**30:.1f} GiB of {opts.device} memory free"
+    if fit == 0:
+        need = bytes_needed(config, dtype, 1) / 2**30
+        raise ExportError(f"voxtral-realtime: {have}; an export of even 1 stream slot needs {need:.1f} GiB")
+    if opts.max_streams is not None:
+        raise ExportError(f"--max-streams {n}: does not fit ({have}); {fit} stream slots fit")
+    log.warning("%d stream slots, not the default %d: %d fit (%s)", fit, n, fit, have)
+    return fit
 
 
 def _export(traced: TracedSlots, make_module, example: tuple, batched: list[int | None], streams: int):
@@ -251,7 +355,8 @@ def export_voxtral_realtime(
             f"{tekken_path}: {tok.vocab_size} tokens do not fit the model's vocab ({model.config.text.vocab_size})"
         )
     stream = streaming_constants(tekken_path, model.config.samples_per_token)
-    streams = max_streams(opts)
+    streams = max_streams(opts, model.config, device_free_bytes(model, opts.device))
+    opts = dataclasses.replace(opts, max_streams=streams)  # the methods are planned for the slots that fit
     model, meta = prepare(model, source, opts, EXPORT)
     model.setup_caches(dtype=DTYPES[opts.dtype], streams=min(CHECK_STREAMS, streams))
     meta |= stream | {
@@ -273,8 +378,8 @@ BUNDLE_PREFIX = "voxtral-"
 
 def is_realtime_checkpoint(ckpt: Path) -> bool:
     try:
-        return json.loads((Path(ckpt) / "config.json").read_text()).get("model_type") == "voxtral_realtime"
-    except (OSError, ValueError, AttributeError):
+        return read_json_object(Path(ckpt) / "config.json").get("model_type") == "voxtral_realtime"
+    except RunnerError:
         return False  # the Voxtral loader says what is wrong with it
 
 
@@ -286,7 +391,7 @@ def load(request: LoadRequest) -> Loaded:
         checkpoint = Path(checkpoint)
         if not (checkpoint / "tekken.json").is_file():
             raise ExportError(f"{checkpoint}: missing tekken.json")
-        model, source = load_checkpoint(checkpoint, dtype)
+        model, source = load_checkpoint(checkpoint, dtype, tokenizer=checkpoint / "tekken.json")
         return Loaded(checkpoint.resolve().name, model, source, checkpoint / "tekken.json")
     name = request.preset
     if name != SEEDED_PRESET and not request.random_init:

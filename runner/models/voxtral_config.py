@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from runner.audio import N_FRAMES, N_MELS, TOKENS_PER_CHUNK
 from runner.errors import ExportError
+from runner.json_file import read_json_object
+from runner.models.config_fields import check_tower, divides, read_real, read_whole, real, section, whole
 
 PROJECTOR_GROUP = 4  # the projector concatenates 4 consecutive encoder frames (1500 frames -> 375 tokens)
 
@@ -44,6 +45,9 @@ class VoxtralConfig:
 
     def __post_init__(self):
         a, t = self.audio, self.text
+        check_tower(a, "audio ")
+        check_tower(t, "text ")
+        whole(self.audio_token_id, "audio_token_id", "audio_token_id")
         # Every check here is a shape the runtime relies on; fail at config time, not inside a compile.
         if a.ffn_dim != PROJECTOR_GROUP * a.dim:
             raise ExportError(f"audio ffn_dim ({a.ffn_dim}) must be {PROJECTOR_GROUP} x audio dim ({a.dim})")
@@ -51,6 +55,8 @@ class VoxtralConfig:
             raise ExportError(f"audio max_source_positions must be {N_FRAMES // 2} (30 s chunks)")
         if a.dim % a.n_heads or t.n_heads % t.n_kv_heads:
             raise ExportError("head counts must divide the model width / query heads")
+        if t.head_dim % 2:
+            raise ExportError(f"text head_dim ({t.head_dim}) must be even (rotary embeddings pair its dims)")
         assert a.max_source_positions // PROJECTOR_GROUP == TOKENS_PER_CHUNK
 
     def to_dict(self) -> dict:
@@ -67,50 +73,87 @@ class VoxtralConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> VoxtralConfig:
-        """From what `VoxtralConfig.save_pretrained` writes (transformers 4.5x and 5.x key spellings)."""
-        try:
-            a, t = hf.get("audio_config") or {}, hf.get("text_config") or {}
-            if a.get("activation_function", "gelu") != "gelu" or hf.get("projector_hidden_act", "gelu") != "gelu":
-                raise ExportError("only GELU activations are supported in the audio tower and projector")
-            if t.get("hidden_act", "silu") != "silu" or t.get("attention_bias") or t.get("mlp_bias"):
-                raise ExportError("text model must be Llama-style (SiLU, no biases)")
-            if t.get("tie_word_embeddings"):
-                raise ExportError("tied word embeddings are not supported (Voxtral's lm_head is untied)")
-            rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
-            if rope.get("rope_type", "default") not in ("default", None):
-                raise ExportError(f"rope type {rope.get('rope_type')!r} is not supported")
-            theta = rope.get("rope_theta", t.get("rope_theta", TextConfig.rope_theta))
-            hidden = t.get("hidden_size", TextConfig.dim)
-            heads = t.get("num_attention_heads", TextConfig.n_heads)
-            audio = AudioConfig(
-                n_mels=a.get("num_mel_bins", N_MELS),
-                dim=a.get("hidden_size", a.get("d_model", AudioConfig.dim)),
-                n_layers=a.get("num_hidden_layers", a.get("encoder_layers", AudioConfig.n_layers)),
-                n_heads=a.get("num_attention_heads", a.get("encoder_attention_heads", AudioConfig.n_heads)),
-                ffn_dim=a.get("intermediate_size", a.get("encoder_ffn_dim", AudioConfig.ffn_dim)),
-                max_source_positions=a.get("max_source_positions", AudioConfig.max_source_positions),
-            )
-            text = TextConfig(
-                vocab_size=t.get("vocab_size", TextConfig.vocab_size),
-                dim=hidden,
-                ffn_dim=t.get("intermediate_size", TextConfig.ffn_dim),
-                n_layers=t.get("num_hidden_layers", TextConfig.n_layers),
-                n_heads=heads,
-                n_kv_heads=t.get("num_key_value_heads") or heads,
-                head_dim=t.get("head_dim") or hidden // heads,
-                rope_theta=float(theta),
-                norm_eps=t.get("rms_norm_eps", TextConfig.norm_eps),
-            )
-            return cls(audio=audio, text=text, audio_token_id=hf.get("audio_token_id") or 24)
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ExportError(f"config.json: unsupported Voxtral config ({e})") from None
+        """From what `VoxtralConfig.save_pretrained` writes (transformers 4.5x and 5.x key spellings). Every field
+        the model is built from is checked first; an error names it as the file spells it."""
+        if not isinstance(hf, dict):
+            raise ExportError("not a JSON object")
+        a, t = section(hf, "audio_config"), section(hf, "text_config")
+        if a.get("activation_function", "gelu") != "gelu" or hf.get("projector_hidden_act", "gelu") != "gelu":
+            raise ExportError("only GELU activations are supported in the audio tower and projector")
+        if t.get("hidden_act", "silu") != "silu" or t.get("attention_bias") or t.get("mlp_bias"):
+            raise ExportError("text model must be Llama-style (SiLU, no biases)")
+        if t.get("tie_word_embeddings"):
+            raise ExportError("tied word embeddings are not supported (Voxtral's lm_head is untied)")
+        text = _text_from_hf(t)
+        token = read_whole(hf, "", ("audio_token_id",), "audio_token_id", 24)
+        if token >= text.vocab_size:
+            raise ExportError(f"audio_token_id: {token} is not below text_config.vocab_size ({text.vocab_size})")
+        return cls(audio=_audio_from_hf(a), text=text, audio_token_id=token)
 
     @classmethod
     def from_hf_file(cls, path: Path) -> VoxtralConfig:
+        """config.json, read and checked: any error names the file."""
+        doc = read_json_object(path, ExportError)
         try:
-            return cls.from_hf(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ExportError(f"{path}: cannot read config ({e})") from None
+            return cls.from_hf(doc)
+        except ExportError as e:
+            raise ExportError(f"{path}: {e}") from None
+
+
+def _audio_from_hf(a: dict) -> AudioConfig:
+    w = "audio_config."
+    dim = read_whole(a, w, ("hidden_size", "d_model"), "dim", AudioConfig.dim)
+    heads = read_whole(a, w, ("num_attention_heads", "encoder_attention_heads"), "n_heads", AudioConfig.n_heads)
+    divides(dim, w + "hidden_size", heads, w + "num_attention_heads")
+    ffn = read_whole(a, w, ("intermediate_size", "encoder_ffn_dim"), "ffn_dim", AudioConfig.ffn_dim)
+    if ffn != PROJECTOR_GROUP * dim:
+        raise ExportError(
+            f"{w}intermediate_size ({ffn}) must be {PROJECTOR_GROUP} x {w}hidden_size ({dim}): the projector's ffn_dim"
+        )
+    positions = read_whole(a, w, ("max_source_positions",), "max_source_positions", AudioConfig.max_source_positions)
+    if positions * 2 != N_FRAMES:
+        raise ExportError(f"{w}max_source_positions: {positions} is not {N_FRAMES // 2} (30 s chunks)")
+    return AudioConfig(
+        n_mels=read_whole(a, w, ("num_mel_bins",), "n_mels", N_MELS),
+        dim=dim,
+        n_layers=read_whole(a, w, ("num_hidden_layers", "encoder_layers"), "n_layers", AudioConfig.n_layers),
+        n_heads=heads,
+        ffn_dim=ffn,
+        max_source_positions=positions,
+    )
+
+
+def _text_from_hf(t: dict) -> TextConfig:
+    w = "text_config."
+    rope_key = "rope_parameters" if t.get("rope_parameters") else "rope_scaling"
+    rope = section(t, rope_key, w)
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise ExportError(f"rope type {rope.get('rope_type')!r} is not supported")
+    if rope.get("rope_theta") is not None:
+        theta = real(rope["rope_theta"], f"{w}{rope_key}.rope_theta")
+    else:
+        theta = read_real(t, w, "rope_theta", TextConfig.rope_theta)
+    hidden = read_whole(t, w, ("hidden_size",), "dim", TextConfig.dim)
+    heads = read_whole(t, w, ("num_attention_heads",), "n_heads", TextConfig.n_heads)
+    kv_heads = read_whole(t, w, ("num_key_value_heads",), "n_kv_heads", heads)
+    divides(heads, w + "num_attention_heads", kv_heads, w + "num_key_value_heads")
+    head_dim = read_whole(t, w, ("head_dim",), "head_dim", None)
+    if head_dim is None and hidden // heads < 2:
+        raise ExportError(f"{w}hidden_size ({hidden}) is less than 2 x {w}num_attention_heads ({heads})")
+    head_dim = head_dim or hidden // heads
+    if head_dim % 2:
+        raise ExportError(f"{w}head_dim: {head_dim} is odd (rotary embeddings pair its dims)")
+    return TextConfig(
+        vocab_size=read_whole(t, w, ("vocab_size",), "vocab_size", TextConfig.vocab_size),
+        dim=hidden,
+        ffn_dim=read_whole(t, w, ("intermediate_size",), "ffn_dim", TextConfig.ffn_dim),
+        n_layers=read_whole(t, w, ("num_hidden_layers",), "n_layers", TextConfig.n_layers),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        norm_eps=read_real(t, w, "rms_norm_eps", TextConfig.norm_eps),
+    )
 
 
 # mistralai/Voxtral-Small-24B-2507: the audio tower and projector of Voxtral-Mini-3B (Whisper-large-v3-style

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from runner.audio import HOP_LENGTH, N_MELS, SAMPLE_RATE
 from runner.errors import ExportError
+from runner.json_file import read_json_object
+from runner.models.config_fields import check_tower, divides, read_real, read_whole, real, section, whole
 
 ADA_DIM = 32  # AdaRMSNorm's bottleneck: fixed in transformers' VoxtralRealtimeTextAdaRmsNorm
 CONV_STRIDE = 2  # conv2 halves the mel frame rate: 8 mel frames -> 4 encoder frames -> 1 text position
@@ -51,10 +52,12 @@ class RealtimeConfig:
 
     def __post_init__(self):
         a, t = self.audio, self.text
+        check_tower(a, "audio ")
+        check_tower(t, "text ")
+        whole(self.downsample_factor, "downsample_factor", "downsample_factor")
+        whole(self.num_delay_tokens, "num_delay_tokens", "num_delay_tokens")
         if t.n_heads % t.n_kv_heads:
             raise ExportError("text query heads must be a multiple of its KV heads")
-        if min(a.sliding_window, t.sliding_window, a.n_layers, t.n_layers, self.downsample_factor) < 1:
-            raise ExportError("sliding windows, layer counts and the downsample factor must be at least 1")
         if a.head_dim % 2 or t.head_dim % 2 or t.dim % 2:
             raise ExportError("head dims and the text width must be even (RoPE, time embedding)")
 
@@ -120,61 +123,90 @@ class RealtimeConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> RealtimeConfig:
-        """From what `VoxtralRealtimeConfig.save_pretrained` writes."""
-        try:
-            a, t = hf.get("audio_config") or {}, hf.get("text_config") or {}
-            if a.get("activation_function", "gelu") != "gelu" or hf.get("projector_hidden_act", "gelu") != "gelu":
-                raise ExportError("only GELU activations are supported in the audio encoder and projector")
-            if a.get("hidden_act", "silu") != "silu" or t.get("hidden_act", "silu") != "silu":
-                raise ExportError("only SiLU-gated MLPs are supported")
-            if not hf.get("tie_word_embeddings", True):
-                raise ExportError("Voxtral Realtime ties its output projection to the embeddings; this config does not")
-            for name, rope in (("audio", _rope(a)), ("text", _rope(t))):
-                if rope.get("rope_type", "default") != "default":
-                    raise ExportError(f"{name} rope type {rope.get('rope_type')!r} is not supported")
-            factor = hf.get("downsample_factor", 4)
-            if hf.get("audio_length_per_tok", CONV_STRIDE * factor) != CONV_STRIDE * factor:
-                raise ExportError(f"audio_length_per_tok must be {CONV_STRIDE} x downsample_factor ({factor})")
-            heads = a.get("num_attention_heads", RealtimeAudioConfig.n_heads)
-            audio = RealtimeAudioConfig(
-                n_mels=a.get("num_mel_bins", N_MELS),
-                dim=a.get("hidden_size", RealtimeAudioConfig.dim),
-                n_layers=a.get("num_hidden_layers", RealtimeAudioConfig.n_layers),
-                n_heads=heads,
-                head_dim=a.get("head_dim") or RealtimeAudioConfig.head_dim,
-                ffn_dim=a.get("intermediate_size", RealtimeAudioConfig.ffn_dim),
-                rope_theta=float(_rope(a).get("rope_theta", 10000.0)),
-                norm_eps=a.get("rms_norm_eps", RealtimeAudioConfig.norm_eps),
-                sliding_window=a.get("sliding_window") or RealtimeAudioConfig.sliding_window,
-            )
-            theads = t.get("num_attention_heads", RealtimeTextConfig.n_heads)
-            text = RealtimeTextConfig(
-                vocab_size=t.get("vocab_size", RealtimeTextConfig.vocab_size),
-                dim=t.get("hidden_size", RealtimeTextConfig.dim),
-                ffn_dim=t.get("intermediate_size", RealtimeTextConfig.ffn_dim),
-                n_layers=t.get("num_hidden_layers", RealtimeTextConfig.n_layers),
-                n_heads=theads,
-                n_kv_heads=t.get("num_key_value_heads") or theads,
-                head_dim=t.get("head_dim") or t.get("hidden_size", RealtimeTextConfig.dim) // theads,
-                rope_theta=float(_rope(t).get("rope_theta", RealtimeTextConfig.rope_theta)),
-                norm_eps=t.get("rms_norm_eps", RealtimeTextConfig.norm_eps),
-                sliding_window=t.get("sliding_window") or RealtimeTextConfig.sliding_window,
-            )
-            init = t.get("initializer_range", 0.02)
-            return cls(audio, text, factor, hf.get("default_num_delay_tokens", 6), init)
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ExportError(f"config.json: unsupported Voxtral Realtime config ({e})") from None
+        """From what `VoxtralRealtimeConfig.save_pretrained` writes. Every field the model is built from is checked
+        first; an error names it as the file spells it."""
+        if not isinstance(hf, dict):
+            raise ExportError("not a JSON object")
+        a, t = section(hf, "audio_config"), section(hf, "text_config")
+        if a.get("activation_function", "gelu") != "gelu" or hf.get("projector_hidden_act", "gelu") != "gelu":
+            raise ExportError("only GELU activations are supported in the audio encoder and projector")
+        if a.get("hidden_act", "silu") != "silu" or t.get("hidden_act", "silu") != "silu":
+            raise ExportError("only SiLU-gated MLPs are supported")
+        if not hf.get("tie_word_embeddings", True):
+            raise ExportError("Voxtral Realtime ties its output projection to the embeddings; this config does not")
+        factor = read_whole(hf, "", ("downsample_factor",), "downsample_factor", 4)
+        if hf.get("audio_length_per_tok", CONV_STRIDE * factor) != CONV_STRIDE * factor:
+            raise ExportError(f"audio_length_per_tok must be {CONV_STRIDE} x downsample_factor ({factor})")
+        delay = read_whole(hf, "", ("default_num_delay_tokens",), "num_delay_tokens", 6)
+        init = read_real(t, "text_config.", "initializer_range", 0.02)
+        return cls(_audio_from_hf(a), _text_from_hf(t), factor, delay, init)
 
     @classmethod
     def from_hf_file(cls, path: Path) -> RealtimeConfig:
+        """config.json, read and checked: any error names the file."""
+        doc = read_json_object(path, ExportError)
         try:
-            return cls.from_hf(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ExportError(f"{path}: cannot read config ({e})") from None
+            return cls.from_hf(doc)
+        except ExportError as e:
+            raise ExportError(f"{path}: {e}") from None
 
 
-def _rope(c: dict) -> dict:
-    return c.get("rope_parameters") or c.get("rope_scaling") or {"rope_theta": c.get("rope_theta", 10000.0)}
+def _audio_from_hf(a: dict) -> RealtimeAudioConfig:
+    w, d = "audio_config.", RealtimeAudioConfig
+    head_dim = read_whole(a, w, ("head_dim",), "head_dim", d.head_dim)
+    if head_dim % 2:
+        raise ExportError(f"{w}head_dim: {head_dim} is odd (rotary embeddings pair its dims)")
+    return RealtimeAudioConfig(
+        n_mels=read_whole(a, w, ("num_mel_bins",), "n_mels", N_MELS),
+        dim=read_whole(a, w, ("hidden_size",), "dim", d.dim),
+        n_layers=read_whole(a, w, ("num_hidden_layers",), "n_layers", d.n_layers),
+        n_heads=read_whole(a, w, ("num_attention_heads",), "n_heads", d.n_heads),
+        head_dim=head_dim,
+        ffn_dim=read_whole(a, w, ("intermediate_size",), "ffn_dim", d.ffn_dim),
+        rope_theta=_rope_theta(a, w, "audio", 10000.0),
+        norm_eps=read_real(a, w, "rms_norm_eps", d.norm_eps),
+        sliding_window=read_whole(a, w, ("sliding_window",), "sliding_window", d.sliding_window),
+    )
+
+
+def _text_from_hf(t: dict) -> RealtimeTextConfig:
+    w, d = "text_config.", RealtimeTextConfig
+    dim = read_whole(t, w, ("hidden_size",), "dim", d.dim)
+    if dim % 2:
+        raise ExportError(f"{w}hidden_size: {dim} is odd (the delay's time embedding pairs its dims)")
+    heads = read_whole(t, w, ("num_attention_heads",), "n_heads", d.n_heads)
+    kv_heads = read_whole(t, w, ("num_key_value_heads",), "n_kv_heads", heads)
+    divides(heads, w + "num_attention_heads", kv_heads, w + "num_key_value_heads")
+    head_dim = read_whole(t, w, ("head_dim",), "head_dim", None)
+    if head_dim is None and dim // heads < 2:
+        raise ExportError(f"{w}hidden_size ({dim}) is less than 2 x {w}num_attention_heads ({heads})")
+    head_dim = head_dim or dim // heads
+    if head_dim % 2:
+        raise ExportError(f"{w}head_dim: {head_dim} is odd (rotary embeddings pair its dims)")
+    return RealtimeTextConfig(
+        vocab_size=read_whole(t, w, ("vocab_size",), "vocab_size", d.vocab_size),
+        dim=dim,
+        ffn_dim=read_whole(t, w, ("intermediate_size",), "ffn_dim", d.ffn_dim),
+        n_layers=read_whole(t, w, ("num_hidden_layers",), "n_layers", d.n_layers),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=_rope_theta(t, w, "text", d.rope_theta),
+        norm_eps=read_real(t, w, "rms_norm_eps", d.norm_eps),
+        sliding_window=read_whole(t, w, ("sliding_window",), "sliding_window", d.sliding_window),
+    )
+
+
+def _rope_theta(c: dict, where: str, tower: str, default: float) -> float:
+    """The tower's rotary base: from its rope parameters (transformers 5; `default` where they leave it out), else
+    beside them (4.x; 10000 where it is not there either)."""
+    key = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+    rope = section(c, key, where)
+    if rope.get("rope_type", "default") != "default":
+        raise ExportError(f"{tower} rope type {rope.get('rope_type')!r} is not supported")
+    if rope.get("rope_theta") is not None:
+        return real(rope["rope_theta"], f"{where}{key}.rope_theta")
+    return default if rope else read_real(c, where, "rope_theta", 10000.0)
 
 
 # tiny-realtime: the real audio front end (128 mel bins, 8 mel frames per position) and the real delay, with

@@ -9,7 +9,6 @@ tokens for those characters, never the control id; control ids are inserted by n
 from __future__ import annotations
 
 import base64
-import json
 import os
 from collections.abc import Iterable
 from itertools import groupby
@@ -17,6 +16,7 @@ from itertools import groupby
 import tiktoken
 
 from runner.errors import TokenizerError
+from runner.json_file import TOKENIZER_MAX_BYTES, read_json_object
 
 # Tekken files without a "special_tokens" list (tokenizer versions up to v7) use this fixed list.
 _LEGACY_SPECIAL_TOKENS = (
@@ -25,11 +25,15 @@ _LEGACY_SPECIAL_TOKENS = (
     "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
 )  # fmt: skip
 _FILLER = "<SPECIAL_{}>"  # mistral-common's name for unlisted special slots
+# Bounds on what tekken.json may declare: mistral-common's files have 1000 special tokens and 131072 or 150000 ids.
+MAX_SPECIAL = 1 << 16
+MAX_VOCAB = 1 << 22
 
 
 class Tekken:
     def __init__(self, bpe: list[bytes], specials: list[str], pattern: str, *, name: str = "tekken") -> None:
         """`bpe[r]` is the byte string of rank r; `specials[i]` is the name of control id i."""
+        self.name = name  # the file, for errors
         self._num_special = len(specials)
         self._specials = list(specials)
         self._special_ids = {s: i for i, s in enumerate(specials)}
@@ -47,13 +51,7 @@ class Tekken:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Tekken:
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise TokenizerError(f"tokenizer file not found: {path}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TokenizerError(f"tokenizer file is not readable JSON: {path} ({e})") from None
+        data = read_json_object(path, TokenizerError, TOKENIZER_MAX_BYTES)
         try:
             bpe, specials, pattern = _parse(data)
         except (KeyError, TypeError, ValueError) as e:
@@ -81,7 +79,7 @@ class Tekken:
         try:
             return self._special_ids[name]
         except KeyError:
-            raise TokenizerError(f"special token {name!r} is not in the tokenizer") from None
+            raise TokenizerError(f"{self.name}: special token {name!r} is not in the tokenizer") from None
 
     def is_special(self, token_id: int) -> bool:
         return 0 <= token_id < self._num_special
@@ -123,20 +121,26 @@ class Tekken:
 def _parse(data: dict) -> tuple[list[bytes], list[str], str]:
     """Validate a tekken.json document; returns (bpe bytes by rank, special names by id, pattern)."""
     config = data["config"]
+    if not isinstance(config, dict):
+        raise ValueError("config is not a JSON object")
     pattern = config["pattern"]
-    num_special = int(config["default_num_special_tokens"])
-    vocab_size = int(config["default_vocab_size"])
-    if not isinstance(pattern, str) or num_special <= 0 or vocab_size <= num_special:
-        raise ValueError(f"bad config (num_special={num_special}, vocab_size={vocab_size})")
+    if not isinstance(pattern, str):
+        raise ValueError("config.pattern is not a string")
+    num_special = _count(config, "default_num_special_tokens", 1, MAX_SPECIAL)
+    vocab_size = _count(config, "default_vocab_size", num_special + 1, MAX_VOCAB)
 
     listed = data.get("special_tokens")
+    if listed is not None and not isinstance(listed, list):
+        raise ValueError("special_tokens is not a list")
     names = list(_LEGACY_SPECIAL_TOKENS) if listed is None else []
+    if len(listed or names) > num_special:
+        raise ValueError(f"{len(listed or names)} special tokens listed but default_num_special_tokens={num_special}")
     for i, tok in enumerate(listed or ()):
         if tok["rank"] != i:
             raise ValueError(f"special token {tok['token_str']!r} has rank {tok['rank']}, expected {i}")
+        if not isinstance(tok["token_str"], str):
+            raise ValueError(f"special token {i}: token_str is not a string")
         names.append(tok["token_str"])
-    if len(names) > num_special:
-        raise ValueError(f"{len(names)} special tokens listed but default_num_special_tokens={num_special}")
     names += [_FILLER.format(i) for i in range(len(names), num_special)]
     if len(set(names)) != len(names):
         raise ValueError("special token names are not unique")
@@ -153,3 +157,13 @@ def _parse(data: dict) -> tuple[list[bytes], list[str], str]:
     if len(set(bpe)) != len(bpe):
         raise ValueError("vocab has duplicate token bytes")
     return bpe, names, pattern
+
+
+def _count(config: dict, key: str, least: int, most: int) -> int:
+    """config[key]: a whole number within [least, most] (the special tokens' names are made for each one)."""
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.{key}: {str(value)[:40]!r} is not a whole number")
+    if not least <= value <= most:
+        raise ValueError(f"config.{key}: {value} is out of range ({least} to {most})")
+    return value

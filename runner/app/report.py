@@ -237,13 +237,18 @@ def window_records(result: GenerationResult) -> list[dict]:
 
 
 def window_warnings(path: Path, result: GenerationResult) -> list[str]:
-    """A line for each window whose text was dropped as silence or kept only from a fallback temperature: the
-    transcript may miss or garble what was said there."""
+    """A line for each window whose text was dropped as silence, came out implausibly short for its sound, or was
+    kept only from a fallback temperature: the transcript may miss or garble what was said there."""
     lines = []
     for i, (part, (start, end)) in enumerate(zip(result.parts, window_bounds(result)), 1):
         where = f"{path}: window {i}/{len(result.parts)} ({start:.1f}-{end:.1f} s)"
         if part.silent:
             lines.append(f"warning: {where} judged silent (no speech, and its text too unlikely to keep)")
+        elif part.short:
+            lines.append(
+                f"warning: {where} came out implausibly short: {part.tokens} token(s) for {part.sound_seconds:.1f} s "
+                "of sound; what was said there may be lost (check the audio, or try --temperature)"
+            )
         elif part.fallbacks and part.temperature is not None:
             lines.append(
                 f"warning: {where} decoded only at temperature {part.temperature:g}, after {part.fallbacks} "

@@ -34,6 +34,7 @@ from runner.runtime.generate import (
     Sampler,
     answer_room,
     audio_seconds,
+    window_sound,
 )
 from runner.runtime.results import join_results, window_result
 from runner.runtime.waveform import wave_on_device
@@ -293,4 +294,6 @@ class _Batcher:
         if len(progress.results) < len(progress.job.windows):
             self.queue.appendleft((progress, len(progress.results)))
             return
-        self.done.append(JobResult(progress.job, join_results(progress.results, progress.stats(), self.e.device)))
+        sound = [window_sound(w) for w in progress.job.windows]
+        joined = join_results(progress.results, progress.stats(), self.e.device, sound)
+        self.done.append(JobResult(progress.job, joined))

@@ -30,6 +30,7 @@ from runner.runtime.detokenize import StreamDecoder, Tokenizer
 from runner.runtime.engine import Engine, to_encoder_dtype
 from runner.runtime.features import RecordingFeatures
 from runner.runtime.results import GenerationResult, TextJoiner, join_results, window_result
+from runner.runtime.voicing import sound_seconds
 from runner.runtime.waveform import PinnedHostBuffer, wave_on_device
 from runner.stats import Stats, now_ms
 
@@ -61,6 +62,16 @@ class AudioSegment:
     window: int | None = None
     # (first frame, frames): a window at any frame offset of the recording (Whisper's seek); `window` is then 0
     frames: tuple[int, int] | None = None
+    # the answer is this audio's transcript (not a chat answer): judged implausibly short or not for its sound
+    transcribed: bool = False
+
+    def own_samples(self) -> np.ndarray:
+        """The samples this segment stands for (a view)."""
+        if self.frames is not None:
+            return self.samples[self.frames[0] * HOP_LENGTH :][: self.num_samples]
+        if self.window is None:
+            return self.samples
+        return self.samples[self.window * N_SAMPLES :][:N_SAMPLES]
 
     @property
     def num_samples(self) -> int:
@@ -70,6 +81,14 @@ class AudioSegment:
         if self.window is None:
             return len(self.samples)
         return min(N_SAMPLES, max(0, len(self.samples) - self.window * N_SAMPLES))
+
+
+def window_sound(prompt: Prompt) -> float | None:
+    """The seconds of sound in a transcription prompt's audio (None: not a transcription)."""
+    for seg in prompt:
+        if isinstance(seg, AudioSegment) and seg.transcribed:
+            return sound_seconds(seg.own_samples())
+    return None
 
 
 @dataclass(frozen=True)
@@ -305,7 +324,7 @@ class MultimodalRunner:
                 s = copy.copy(stats)  # its own numbers, over what the caller recorded before (the model load)
                 out = joiner if on_text else None
                 results.append(self._generate(window, opts, out, s))
-        return join_results(results, stats, self.engine.device)
+        return join_results(results, stats, self.engine.device, [window_sound(w) for w in windows])
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from runner.runtime.detokenize import Tokenizer
+from runner.runtime.voicing import implausibly_short
 from runner.stats import Stats, now_ms
 
 
@@ -70,12 +71,19 @@ class WindowResult:
     temperature: float | None = None  # None: decoded once at the run's temperature, nothing judged
     fallbacks: int = 0
     silent: bool = False
+    # a fixed window's seconds of sound (runner/runtime/voicing.py), where its audio was measured; and whether its
+    # answer is implausibly short for them
+    sound_seconds: float | None = None
+    short: bool = False
 
     def outcome(self) -> dict:
         """What happened to this window, for its record (empty where nothing was judged)."""
+        judged = {}
+        if self.sound_seconds is not None:
+            judged = {"sound_s": round(self.sound_seconds, 2), "implausibly_short": self.short}
         if self.temperature is None:
-            return {}
-        return {"temperature": self.temperature, "fallbacks": self.fallbacks, "silent": self.silent}
+            return judged
+        return {"temperature": self.temperature, "fallbacks": self.fallbacks, "silent": self.silent, **judged}
 
 
 @dataclass(frozen=True)
@@ -115,14 +123,23 @@ def window_result(
     return GenerationResult(text, prompt_ids, tokens, stop, stats, logits)
 
 
-def join_results(results: list[GenerationResult], stats: Stats, device: str) -> GenerationResult:
+def join_results(
+    results: list[GenerationResult], stats: Stats, device: str, sound: list[float | None] | None = None
+) -> GenerationResult:
     """A file's windows, in order, as one result: texts joined (join_texts), tokens and prompt ids concatenated,
     the stats summed into `stats` (the first token's time is the first window's), `windows` giving each one's
-    token count and `parts` each one's own text and stats."""
+    token count and `parts` each one's own text and stats; with each window's seconds of sound (`sound`), whether
+    its answer is implausibly short for them."""
     vars(stats).update(vars(results[0].stats))
     for r in results[1:]:
         merge_stats(stats, r.stats)
-    parts = tuple(WindowResult(r.text, len(r.tokens), r.stop_reason, r.stats) for r in results)
+    sound = sound or [None] * len(results)
+    parts = tuple(
+        WindowResult(
+            r.text, len(r.tokens), r.stop_reason, r.stats, sound_seconds=s, short=implausibly_short(len(r.tokens), s)
+        )
+        for r, s in zip(results, sound, strict=True)
+    )
     if len(results) == 1:
         return replace(results[0], stats=stats, windows=(len(results[0].tokens),), parts=parts)
     stats.finish_memory(device)

@@ -50,7 +50,8 @@ def transcription_prompt(tok: Tekken, audio: np.ndarray, language: str | None) -
         raise GenerationError(f"unknown language {language!r}; choose from {', '.join(LANGUAGES)}")
     s = tok.special_id
     tail = [s("[/INST]")] + (tok.encode(f"lang:{language}") if language else []) + [s("[TRANSCRIBE]")]
-    return [TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))), AudioSegment(audio), TextSegment(tuple(tail))]
+    audio_segment = AudioSegment(audio, transcribed=True)
+    return [TextSegment((tok.bos_id, s("[INST]"), s("[BEGIN_AUDIO]"))), audio_segment, TextSegment(tuple(tail))]
 
 
 def transcription_windows(tok: Tekken, samples: np.ndarray, language: str | None, max_chunks: int) -> list[Prompt]:

@@ -56,7 +56,9 @@ def sot_sequence(tok: WhisperTokenizer, multilingual: bool, language: str | None
 def windows(samples, ids: tuple[int, ...]) -> list[Prompt]:
     """One prompt per 30 s window of the recording, as openai/whisper walks it without timestamps: window i
     (its features cut from the whole recording's), then the text prompt. At least one window."""
-    return [[AudioSegment(samples, window=i), TextSegment(ids)] for i in range(window_count(len(samples)))]
+    return [
+        [AudioSegment(samples, window=i, transcribed=True), TextSegment(ids)] for i in range(window_count(len(samples)))
+    ]
 
 
 class WhisperFamily:

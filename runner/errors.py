@@ -1,6 +1,11 @@
-"""One small hierarchy of our own errors; the CLI turns any of them into a single `error: ...` line."""
+"""One small hierarchy of our own errors; the CLI turns any of them into a single `error: ...` line. And how a
+stop is asked for (SIGTERM, a Cancellation) and held off while a step that must not be cut short finishes."""
 
+import contextlib
+import os
+import signal
 import threading
+from collections.abc import Iterator
 
 
 class Terminated(KeyboardInterrupt):
@@ -28,6 +33,29 @@ class Cancellation:
         """Raise Terminated if a stop was requested."""
         if self._event.is_set():
             raise Terminated()
+
+
+@contextlib.contextmanager
+def signals_held(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Ctrl-C (or SIGTERM) inside the block takes effect when it ends: a line being written, a bundle being
+    swapped in, is finished first."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    pending: list[tuple[int, object]] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append((signum, frame))) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if pending:
+            signum, frame = pending[0]
+            handler = previous[signum]
+            if callable(handler):  # Python's KeyboardInterrupt, the CLI's Terminated
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
 
 
 class RunnerError(Exception):

@@ -26,7 +26,7 @@ import requests
 from runner.app.archive import CHUNK, MAX_ARCHIVE_BYTES, extract_zip
 from runner.app.github import GitHub, GitHubAccess, RetryPolicy, quiet_urllib3, redact
 from runner.bundle import MANIFEST_NAME, bundle_digest, verify_bundle
-from runner.errors import BundleError, FetchError
+from runner.errors import BundleError, Cancellation, FetchError
 from runner.publish import PROVENANCE_NAME, PublishError, absolute_destination, check_free_space, make_stage, publish
 
 __all__ = ["ArtifactRef", "GitHubAccess", "RetryPolicy", "fetch_artifact", "main"]  # a caller's whole vocabulary
@@ -241,10 +241,11 @@ def fetch_artifact(
     progress: bool = True,
     max_bytes: int = MAX_ARCHIVE_BYTES,
     log: Callable[[str], None] | None = None,
+    cancel: Cancellation | None = None,
 ) -> Path:
     """Download artifact `ref` into `dest`, verify GitHub's digest and (a bundle's) manifest, and return `dest`.
     `force` replaces a non-empty `dest`, keeping what is not the old bundle's; `bundle=False`: plain files, no
-    manifest. Raises FetchError."""
+    manifest. `cancel`: a stop asked for meanwhile (SIGTERM) publishes nothing. Raises FetchError."""
     log = log or (lambda _msg: None)
     ref.check()
     access.check()
@@ -268,7 +269,7 @@ def fetch_artifact(
         # swap in only now that the new one is known good, and only over what it may replace
         _prepare_dest(dest, force, when=" (files appeared in it during the download; nothing was replaced)")
         try:
-            kept = publish(got.staged, dest, merge=force)
+            kept = publish(got.staged, dest, cancel=cancel or Cancellation(), merge=force)
         except PublishError as e:
             raise FetchError(str(e)) from None
     finally:
@@ -381,6 +382,7 @@ def main(args: argparse.Namespace) -> int:
         bundle=not args.files,
         progress=not args.no_progress and sys.stderr.isatty(),
         log=log,
+        cancel=args.cancel,
     )
     print(dest)  # stdout carries only the directory, for DIR=$(python -m runner fetch ...)
     return 0

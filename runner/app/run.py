@@ -13,9 +13,10 @@ from runner.app.checks import ResultCheck, build_checks
 from runner.app.e2e_summary import COLUMNS, E2ESummary
 from runner.app.folder import FilePlan
 from runner.app.golden import golden_mismatch  # tests/app/test_cli_ux.py imports it from here
+from runner.app.os_errors import reason
 from runner.app.report import Reporter
 from runner.app.run_args import RunOptions
-from runner.errors import RunnerError
+from runner.errors import AudioError, RunnerError
 from runner.families import FAMILIES, family_for
 from runner.runtime.batch import JOB_ERRORS, Job, JobResult, generate_many
 from runner.runtime.engine import ProgramEngine
@@ -132,8 +133,9 @@ def file_results(
     on_text: Callable[[str], None] | None = None,
 ) -> Iterator[JobResult]:
     """Each file's result as it finishes (`generate_many`, `batch` at a time). A file whose audio cannot be read
-    fails before it is a job; its result comes out ahead of the next finished one. With `on_text` the files run
-    one at a time with their text streamed as it is generated (`on_start` as each begins)."""
+    (or opened: its permissions) fails before it is a job; its result comes out ahead of the next finished one.
+    With `on_text` the files run one at a time with their text streamed as it is generated (`on_start` as each
+    begins)."""
     failed: deque[JobResult] = deque()
 
     def jobs() -> Iterator[Job]:
@@ -144,6 +146,11 @@ def file_results(
                 windows = prompts(path)
             except JOB_ERRORS as e:
                 failed.append(JobResult(Job(path, []), None, e))
+                continue
+            except OSError as e:  # the system refused this file (its permissions, a folder's): the others go on
+                failed.append(
+                    JobResult(Job(path, []), None, AudioError(f"cannot read audio file: {path} ({reason(e)})"))
+                )
                 continue
             yield Job(path, windows, load)
 

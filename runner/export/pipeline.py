@@ -37,6 +37,8 @@ from runner.export.methods import COMPILE_ALLOWANCE, MethodPlan, bytes_needed, d
 from runner.export.registry import ExportFamily, taking
 from runner.export.self_check import check_bundle
 from runner.publish import (
+    DEBUG_NAME,
+    DEBUG_RECORD,
     absolute_destination,
     check_destination,
     check_free_space,
@@ -317,8 +319,7 @@ def build_bundle(
             methods.report.max_error = check_bundle(
                 stage, methods.plans, model, dtype, opts.device, opts.cache_dir, progress
             )
-        opts.cancel.check()  # a stop requested meanwhile: nothing is published
-        kept = publish(stage, out, merge=opts.force)
+        kept = publish(stage, out, cancel=opts.cancel, merge=opts.force)  # checks for a stop right before
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)
     except BaseException:
@@ -411,6 +412,8 @@ def bundle_manifest(stage: Path, meta: dict, inputs: str, methods: MethodCompile
         size = sum((stage / f).stat().st_size for f in files)
         progress("all", f"hashing {len(files)} files ({size / 1e9:.1f} GB) for the manifest")
     opts, report = methods.opts, methods.report
+    # a debug build's sources are recorded as the bundle's own: a later export may replace only those
+    debug = sorted(p.relative_to(stage).as_posix() for p in (stage / DEBUG_NAME).rglob("*") if p.is_file())
     return Manifest(
         format_version=FORMAT_VERSION,
         torch_version=torch.__version__,
@@ -424,6 +427,7 @@ def bundle_manifest(stage: Path, meta: dict, inputs: str, methods: MethodCompile
             # a bundle with a fallback records no inputs: the next export tries the plan's own compile again
             **({"fallbacks": report.fallbacks} if report.fallbacks else {"inputs": inputs}),
             **({"max_autotune": list(opts.max_autotune)} if opts.max_autotune else {}),
+            **({DEBUG_RECORD: debug} if debug else {}),
         },
         methods={p.name: p.spec for p in methods.plans},
         files=file_entries(stage, files, digests=methods.digests),

@@ -19,7 +19,7 @@ from runner import publish as pub
 from runner.app import fetch
 from runner.app.cli import main
 from runner.bundle import verify_bundle
-from runner.errors import FetchError
+from runner.errors import Cancellation, FetchError
 
 try:
     from tests.github_stub import TOKEN, GitHubStub, fake_bundle_zip, write_fake_bundle
@@ -87,7 +87,7 @@ def test_replacing_our_bundle_keeps_a_file_written_into_it_meanwhile(tmp_path):
     write_fake_bundle(stage, seed=2)
     pub.check_destination(dest, merge=False)  # ours: may be replaced
     (dest / "written-meanwhile.txt").write_text("not ours")  # between the check and the swap
-    kept = pub.publish(stage, dest)
+    kept = pub.publish(stage, dest, cancel=Cancellation())
     assert verify_bundle(dest).model["preset"] == "fake" and (dest / "tekken.json").read_text() == '{"seed": 2}'
     assert kept is not None and contents(kept) == {"written-meanwhile.txt": b"not ours"}
     assert not stage.exists()
@@ -116,7 +116,7 @@ def test_the_two_rename_fallback_publishes_and_removes_only_the_old_bundles_file
     write_fake_bundle(dest, seed=1)
     write_fake_bundle(stage, seed=2)
     monkeypatch.setattr(pub, "_RENAME_EXCHANGE", 1 << 30)  # an exchange the kernel refuses: the fallback runs
-    assert pub.publish(stage, dest) is None
+    assert pub.publish(stage, dest, cancel=Cancellation()) is None
     assert (dest / "tekken.json").read_text() == '{"seed": 2}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
@@ -170,6 +170,7 @@ def test_fetch_force_keeps_the_users_files_beside_the_bundle(gh, tmp_path):
 # ---------------------------------------------------------------- SIGTERM
 
 
+@pytest.mark.slow  # timed (a real signal into a compiling process); tests/export/test_cancel_publish.py is not
 def test_sigterm_during_an_export_leaves_nothing_behind(tmp_path):
     """What `timeout`, a CI cancellation and a closed terminal send: one `error:` line, exit 143, the stage
     (gigabytes for a 3B bundle) removed. A cold compile cache keeps the export busy long enough."""

@@ -169,9 +169,22 @@ def test_debug_export_keeps_the_sources_when_it_compiles_and_when_the_cache_has_
         assert not any(rel.startswith("debug") for rel in m.files)
         for method in m.methods:
             assert list((out / "debug" / method).glob("*.cpp")), f"{name}: no generated sources for {method}"
+        recorded = sorted(p.relative_to(out).as_posix() for p in (out / "debug").rglob("*") if p.is_file())
+        assert m.model["debug_sources"] == recorded  # the sources are the bundle's own: a re-export replaces them
     assert all(read_manifest(tmp_path / "second").model["compile_cached"].values())
     capsys.readouterr()
     assert main(["run", "--bundle", str(tmp_path / "second"), "--audio", str(AUDIO), "--max-new-tokens", "4"]) == 0
+
+    # exported again without DEBUG: the recorded sources go with the old bundle, a file of the user's stays
+    monkeypatch.delenv("DEBUG")
+    out = tmp_path / "first"
+    (out / "debug" / "notes.txt").write_text("mine")
+    argv = ["export", "--checkpoint", str(tiny_checkpoint), *_sizes(tiny_bundle), "--no-check", "--out", str(out),
+            "--cache-dir", str(CACHE)]  # fmt: skip
+    assert main(argv) == 1 and "debug/notes.txt" in capsys.readouterr().err  # refused: not the bundle's own
+    (out / "debug" / "notes.txt").unlink()
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    assert not (out / "debug").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["digests", "first", "second"]
 
 
 def test_every_file_of_a_bundle_has_one_mode(tiny_bundle):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner/ without installing it (stdlib only here)
 
+from runner.app.e2e_summary import md_text  # noqa: E402
 from runner.bundle import (  # noqa: E402
     MANIFEST_NAME,
     Manifest,
@@ -151,14 +152,17 @@ def summary(manifest: Manifest, bundle_dir: Path, digest: str, rows: list[tuple[
     total = sum(int(r[2]) for r in rows)
     arch = f", {manifest.gpu_arch}" if manifest.gpu_arch else ""
     out = [
-        f"### Bundle `{bundle_dir.name}`",
+        f"### Bundle {md_text(bundle_dir.name)}",
         "",
-        f"{manifest.device}, {manifest.dtype}, torch {manifest.torch_version}{arch}; {len(rows)} files, "
-        f"{human(total)} in all; bundle digest `{digest}`",
+        md_text(f"{manifest.device}, {manifest.dtype}, torch {manifest.torch_version}{arch}; {len(rows)} files,")
+        + f" {human(total)} in all; bundle digest `{digest}`",
         "",
         "| file | role | size | sha256 |",
         "|---|---|---:|---|",
-        *(f"| `{name}` | {role} | {human(int(size))} | `{sha[:16]}` |" for name, role, size, sha in rows),
+        *(
+            f"| {md_text(name)} | {md_text(role)} | {human(int(size))} | `{sha[:16]}` |"
+            for name, role, size, sha in rows
+        ),
         f"| **total** | | **{human(total)}** | |",
         "",
     ]
@@ -170,7 +174,7 @@ def summary(manifest: Manifest, bundle_dir: Path, digest: str, rows: list[tuple[
         "| method | compile time |", "|---|---:|")  # fmt: skip
     out += [head, rule]
     for name, t, cached in times:
-        cells = [f"`{name}`", f"{t:.1f} s" if t >= 10 else f"{t:.2f} s"] + (
+        cells = [md_text(name), f"{t:.1f} s" if t >= 10 else f"{t:.2f} s"] + (
             [{True: "yes", False: "no", None: "–"}[cached]] if recorded else []
         )
         out.append("| " + " | ".join(cells) + " |")

@@ -20,7 +20,8 @@ ALLOW = [
     "model.safetensors.index.json",
     "tekken.json",
 ]
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# fullmatch, ASCII only: `$` would let a trailing newline through
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", re.ASCII)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dest")
     ap.add_argument("--revision", default=None)
     args = ap.parse_args(argv)
-    if not REPO_ID.match(args.repo_id):
+    if not REPO_ID.fullmatch(args.repo_id):
         print(f"error: {args.repo_id!r} is not a hub id (ORG/NAME)", file=sys.stderr)
         return 1
     from huggingface_hub import snapshot_download

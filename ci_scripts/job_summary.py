@@ -21,6 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner/ without installing it (stdlib only here)
 
 from runner.app.bench.report import from_records, markdown  # noqa: E402
+from runner.app.e2e_summary import md_text  # noqa: E402
 from runner.errors import RunnerError  # noqa: E402
 
 V3_KEYS = ("benchmark", "model", "metric")
@@ -31,7 +32,7 @@ def cell(v: Any) -> str:
         return f"{v:.4g}"
     if isinstance(v, (dict, list)):
         v = json.dumps(v, separators=(",", ":"))
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    return md_text(v)
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -65,23 +66,24 @@ def render(data: Any, title: str, source: Path = Path("results.json")) -> str:
         try:
             return markdown(from_records(data, source), title=title) + "\n"
         except RunnerError as e:  # v3 records of another tool: the generic table below
-            note = f"_{e}_\n\n"
-    lines = [f"### {title}", "", *([note] if note else [])]
+            note = f"_{md_text(e)}_\n\n"
+    lines = [f"### {md_text(title)}", "", *([note] if note else [])]
     rows = records(data)
     if rows is not None:
         flat = [flatten(r) for r in rows]
         keys = list(dict.fromkeys(k for r in flat for k in r))
-        lines.append("| " + " | ".join(keys) + " |")
+        lines.append("| " + " | ".join(map(md_text, keys)) + " |")
         lines.append("|" + "---|" * len(keys))
         lines += ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in flat]
         if isinstance(data, dict):  # the scalars beside the records (device, torch version, ...)
             meta = {k: v for k, v in flatten({k: v for k, v in data.items() if not isinstance(v, list)}).items()}
             if meta:
-                lines += ["", ", ".join(f"{k}: {cell(v)}" for k, v in meta.items())]
+                lines += ["", ", ".join(f"{md_text(k)}: {cell(v)}" for k, v in meta.items())]
     else:
         lines += ["| metric | value |", "|---|---:|"]
         lines += [
-            f"| {k} | {cell(v)} |" for k, v in flatten(data if isinstance(data, dict) else {"value": data}).items()
+            f"| {md_text(k)} | {cell(v)} |"
+            for k, v in flatten(data if isinstance(data, dict) else {"value": data}).items()
         ]
     return "\n".join(lines) + "\n\n"
 
@@ -94,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     title = args.title or args.json.stem
     if not args.json.is_file():
-        text = f"### {title}\n\n_no results: {args.json} was not written_\n\n"
+        text = f"### {md_text(title)}\n\n_no results: {md_text(args.json)} was not written_\n\n"
     else:
         try:
-            text = render(json.loads(args.json.read_text()), title, args.json)
-        except json.JSONDecodeError as e:
-            print(f"error: {args.json}: not JSON ({e})", file=sys.stderr)
+            text = render(json.loads(args.json.read_bytes().decode("utf-8")), title, args.json)
+        except (ValueError, RecursionError, OSError) as e:  # not JSON, not UTF-8 (ValueErrors), nested too deep
+            why = "nested too deep" if isinstance(e, RecursionError) else " ".join(str(e).split())
+            print(f"error: {args.json}: not JSON this script can read ({why})", file=sys.stderr)
             return 1
     if args.out:
         with open(args.out, "a") as f:

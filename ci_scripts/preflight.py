@@ -30,13 +30,22 @@ QUANTS = ("none", "int4")
 INT4_DTYPE = "bf16"  # torch's int4 kernels (tinygemm) take bf16: the exporter refuses int4 on CUDA in fp32
 MAX_NEW_TOKENS = (1, 4096)
 BENCHMARK_RUNS = (1, 100)
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# fullmatch, ASCII only: `$` would let a trailing newline through, \d and str.isdigit take other scripts' digits
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", re.ASCII)
+WHOLE = re.compile(r"[0-9]{1,9}", re.ASCII)
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _whole(value: str, name: str, lo: int, hi: int) -> str | None:
-    if not value.strip().isdigit() or not lo <= int(value) <= hi:
-        return f"{name} {value!r}: a whole number from {lo} to {hi}"
+    if not WHOLE.fullmatch(value) or not lo <= int(value) <= hi:
+        return f"{name} ({name.lower().replace('_', '-')}) {value!r}: a whole number from {lo} to {hi}"
     return None
+
+
+def _checkpoint_ok(checkpoint: str) -> bool:
+    if checkpoint.startswith("/"):
+        return not CONTROL.search(checkpoint)  # a line break would split the job's outputs and commands
+    return bool(HUB_ID.fullmatch(checkpoint))
 
 
 def preset_cells(preset: str, quant: str, dtype: str = INT4_DTYPE) -> list[tuple]:
@@ -54,7 +63,7 @@ def problems(env: Mapping[str, str]) -> list[str]:
             "GPU runner (docs/ci.md says what it must provide)"
         )
     checkpoint = env.get("CHECKPOINT", "")
-    if checkpoint and not (checkpoint.startswith("/") or HUB_ID.match(checkpoint)):
+    if checkpoint and not _checkpoint_ok(checkpoint):
         out.append(f"checkpoint {checkpoint!r}: a hub id (OWNER/NAME) or an absolute path on the runner")
     if not checkpoint and env.get("PRESET", "") not in (*PRESETS, ALL):
         out.append(f"preset {env.get('PRESET', '')!r}: choose from {', '.join((ALL, *PRESETS))}")
@@ -71,7 +80,7 @@ def problems(env: Mapping[str, str]) -> list[str]:
         have = ", ".join(f"{c[1]} {c[3]}" for c in CELLS)
         out.append(f"no cell is preset {preset} with quant {quant}: the cells are {have}")
     for name, (lo, hi) in (("MAX_NEW_TOKENS", MAX_NEW_TOKENS), ("BENCHMARK_RUNS", BENCHMARK_RUNS)):
-        p = _whole(env.get(name, ""), name.lower().replace("_", "-"), lo, hi)
+        p = _whole(env.get(name, ""), name, lo, hi)
         if p:
             out.append(p)
     return out

@@ -47,12 +47,6 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
     demuxes. Raises AudioError, one line naming the file, for anything that is not complete, finite audio.
     Silence is valid audio.
     """
-    import numpy as np
-
-    # Imported here, not at the top: the constants and chunking must also work where only torch is installed
-    # (the export machine imports them through runner/export/mel.py).
-    import soxr
-
     path = os.fspath(path)
     if not os.path.exists(path):
         raise AudioError(f"audio file not found: {path}")
@@ -62,54 +56,129 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
         raise AudioError(f"audio file is empty (0 bytes): {path}")
     _check_wav_not_truncated(path)
 
-    read = _read_soundfile(path)
-    data, sr = read if read is not None else _read_av(path)
-    if len(data) == 0:
-        raise AudioError(f"audio file has no samples (empty or truncated): {path}")
-    if not np.isfinite(data).all():
-        raise AudioError(f"audio file contains NaN or Inf samples: {path}")
+    wave = _load_soundfile(path)
+    if wave is None:
+        wave = _read_av(path)
+    return wave
 
+
+def _to_mono(path: str, data: np.ndarray, sr: int) -> np.ndarray:
+    """[frames, channels] float32 samples at `sr` as float32 mono at SAMPLE_RATE, in one piece."""
+    import numpy as np
+
+    # Imported here, not at the top: the constants and chunking must also work where only torch is installed
+    # (the export machine imports them through runner/export/mel.py).
+    import soxr
+
+    _check_finite(path, data)
     # float64 sum: finite float32 samples near 3e38 in several channels overflowed to inf (found by atheris)
     wave = data.mean(axis=1, dtype=np.float64).astype(np.float32) if data.shape[1] > 1 else data[:, 0]
     if sr != SAMPLE_RATE:
         wave = soxr.resample(wave, sr, SAMPLE_RATE)
-        if len(wave) == 0:  # a few frames at a high rate
-            raise AudioError(
-                f"audio file is shorter than one sample at {SAMPLE_RATE} Hz: {path} ({len(data)} frames at {sr} Hz)"
-            )
+    return _checked_mono(path, wave, len(data), sr, lambda: float(np.abs(data).max()) if len(data) else 0.0)
+
+
+def _check_finite(path: str, data: np.ndarray) -> None:
+    import numpy as np
+
+    if not np.isfinite(data).all():
+        raise AudioError(f"audio file contains NaN or Inf samples: {path}")
+
+
+def _checked_mono(path: str, wave: np.ndarray, frames: int, sr: int, peak) -> np.ndarray:
+    """The mixed and resampled samples, refusing none at all and any the resampler overflowed (`peak()`: the
+    input's largest magnitude, for the message)."""
+    import numpy as np
+
+    if frames == 0:
+        raise AudioError(f"audio file has no samples (empty or truncated): {path}")
+    if len(wave) == 0:  # a few frames at a high rate
+        raise AudioError(
+            f"audio file is shorter than one sample at {SAMPLE_RATE} Hz: {path} ({frames} frames at {sr} Hz)"
+        )
     if not np.isfinite(wave).all():  # resampling samples near the float32 limit can overflow
-        raise AudioError(f"audio file has samples too large to process (peak {np.abs(data).max():.3g}): {path}")
+        raise AudioError(f"audio file has samples too large to process (peak {peak():.3g}): {path}")
     return np.ascontiguousarray(wave, dtype=np.float32)
 
 
-def _read_soundfile(path: str) -> tuple[np.ndarray, int] | None:
-    """[frames, channels] float32 samples and their rate by libsndfile; None for a container it does not know
-    (or a WAV codec it lacks), which PyAV then tries."""
+# A file of more frames than one block holds is read, mixed and resampled block by block: memory then grows with
+# the output (its duration at SAMPLE_RATE), not with the file's frames x channels. Smaller files: one read.
+BLOCK_BYTES = 8 << 20  # float32 samples (all channels) per block
+
+
+class _MonoStream:
+    """Float32 mono SAMPLE_RATE samples built from [frames, channels] float32 blocks at `sr`, each mixed by mean
+    and resampled by soxr's stream resampler (which gives exactly what soxr.resample gives the whole file) into
+    one output array sized from the declared frame count (grown if a stream runs longer)."""
+
+    def __init__(self, path: str, sr: int, declared: int):
+        import numpy as np
+        import soxr
+
+        self.path, self.sr, self.frames, self.peak, self.n = path, sr, 0, 0.0, 0
+        self.resampler = soxr.ResampleStream(sr, SAMPLE_RATE, 1, dtype="float32") if sr != SAMPLE_RATE else None
+        self.out = np.empty(math.ceil(declared * SAMPLE_RATE / sr) + 16, np.float32)
+
+    def add(self, block: np.ndarray, last: bool) -> None:
+        import numpy as np
+
+        _check_finite(self.path, block)
+        if len(block):
+            self.peak = max(self.peak, float(block.max()), -float(block.min()))
+        self.frames += len(block)
+        wave = block.mean(axis=1, dtype=np.float64).astype(np.float32) if block.shape[1] > 1 else block[:, 0]
+        if self.resampler is not None:
+            wave = self.resampler.resample_chunk(wave, last=last)
+        if self.n + len(wave) > len(self.out):
+            self.out = np.resize(self.out, max(2 * len(self.out), self.n + len(wave)))
+        self.out[self.n : self.n + len(wave)] = wave
+        self.n += len(wave)
+
+    def result(self) -> np.ndarray:
+        return _checked_mono(self.path, self.out[: self.n], self.frames, self.sr, lambda: self.peak)
+
+
+def _load_soundfile(path: str) -> np.ndarray | None:
+    """Float32 mono SAMPLE_RATE samples by libsndfile; None for a container it does not know (or a WAV codec it
+    lacks), which PyAV then tries."""
+    import numpy as np
     import soundfile as sf
 
     try:
         with sf.SoundFile(os.fsencode(path)) as f:  # bytes: a name that is not UTF-8 (soundfile encodes str so)
             declared, sr, estimated = f.frames, f.samplerate, f.format == "MP3"
             _check_plausible(path, sr, declared, f.channels)  # before read() allocates what the header claims
-            data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
+            block = max(1, BLOCK_BYTES // (4 * f.channels))
+            if declared <= block:
+                data = f.read(dtype="float32", always_2d=True)  # [frames, channels]
+                _check_complete(path, len(data), declared, estimated)
+                return _to_mono(path, data, sr)
+            mono = _MonoStream(path, sr, declared)
+            for data in f.blocks(block, dtype="float32", always_2d=True):
+                mono.add(data, last=False)
+            mono.add(np.zeros((0, f.channels), np.float32), last=True)
+            _check_complete(path, mono.frames, declared, estimated)
+            return mono.result()
     except sf.LibsndfileError as e:
         if "Error opening" in str(e) or _wav_format_tag(path) not in (None, *_WAV_CODECS):
             return None  # "Format not recognised" / "Malformed 'fmt ' chunk": not libsndfile's to read
         raise AudioError(f"truncated or corrupt audio: {path} ({_one_line(e)})") from None
     except (RuntimeError, ValueError, TypeError) as e:
         raise AudioError(f"cannot read audio file: {path} ({_one_line(e)})") from None
-    # libsndfile can stop early on a damaged stream without raising; a short read means the file lies. Not for
-    # MP3, whose frame count libsndfile only estimates (a sox-written mp3 at 22.05 kHz: 249 frames over; ffmpeg
-    # decodes exactly the frames libsndfile read).
-    if len(data) < declared and not estimated:
-        raise AudioError(f"truncated audio file: {path} (read {len(data)} of {declared} frames)")
-    return data, sr
 
 
-def _read_av(path: str) -> tuple[np.ndarray, int]:
-    """[frames, channels] float32 samples of the first audio track and its rate, decoded by PyAV (ffmpeg), as
-    faster-whisper reads audio, but without its resampler: the samples are converted exactly as libsndfile
-    converts them (int16 / 32768, ...), so the mix-down and soxr resampling are the same for both readers."""
+def _check_complete(path: str, read: int, declared: int, estimated: bool) -> None:
+    """libsndfile can stop early on a damaged stream without raising; a short read means the file lies. Not for
+    MP3, whose frame count libsndfile only estimates (a sox-written mp3 at 22.05 kHz: 249 frames over; ffmpeg
+    decodes exactly the frames libsndfile read)."""
+    if read < declared and not estimated:
+        raise AudioError(f"truncated audio file: {path} (read {read} of {declared} frames)")
+
+
+def _read_av(path: str) -> np.ndarray:
+    """Float32 mono SAMPLE_RATE samples of the first audio track, decoded by PyAV (ffmpeg), as faster-whisper
+    reads audio, but without its resampler: the samples are converted exactly as libsndfile converts them
+    (int16 / 32768, ...), so the mix-down and soxr resampling are the same for both readers."""
     import av
 
     with contextlib.ExitStack() as stack:
@@ -129,22 +198,25 @@ def _read_av(path: str) -> tuple[np.ndarray, int]:
         stream = container.streams.audio[0]
         if stream.codec_context is None:  # a track in a codec this ffmpeg has no decoder for
             raise _unreadable(path, container, "no decoder for its audio codec")
+        expected = 0
         if stream.duration is not None and stream.time_base is not None and stream.rate:
-            _check_plausible(path, stream.rate, int(stream.duration * stream.time_base * stream.rate), 1)
+            expected = int(stream.duration * stream.time_base * stream.rate)
+            _check_plausible(path, stream.rate, expected, 1)
         try:
-            data, sr = _decode_av(path, container, stream)
+            wave = _decode_av(path, container, stream, expected)
         except av.error.FFmpegError as e:
             raise AudioError(f"truncated or corrupt audio: {path} (ffmpeg: {e.strerror})") from None
-        if sr is None:  # ffmpeg guessed a container from the name or a few bytes, and decoded nothing
+        if wave is None:  # ffmpeg guessed a container from the name or a few bytes, and decoded nothing
             raise _unreadable(path, container, "no audio decoded")
-    return data, sr
+    return wave
 
 
-def _decode_av(path: str, container, stream) -> tuple[np.ndarray, int | None]:
-    """Every frame of `stream` as float32 [frames, channels]; its rate (None when no frame decoded)."""
+def _decode_av(path: str, container, stream, expected: int) -> np.ndarray | None:
+    """Every frame of `stream` as float32 mono SAMPLE_RATE samples (None when no frame decoded). The frames are
+    gathered into blocks of BLOCK_BYTES; a stream longer than one is mixed and resampled block by block."""
     import numpy as np
 
-    blocks, sr, channels, total = [], None, None, 0
+    pending, held, sr, channels, total, mono = [], 0, None, None, 0, None
     for frame in container.decode(stream):
         shape = (frame.sample_rate, frame.layout.nb_channels)
         if sr is None:
@@ -156,9 +228,19 @@ def _decode_av(path: str, container, stream) -> tuple[np.ndarray, int | None]:
         block = _frame_samples(frame, channels)
         total += len(block)
         _check_plausible(path, sr, total, channels)  # a stream longer than its header said (or had none)
-        blocks.append(block)
-    data = np.concatenate(blocks) if blocks else np.zeros((0, 1), np.float32)
-    return data, sr
+        pending.append(block)
+        held += block.nbytes
+        if held >= BLOCK_BYTES:
+            mono = mono or _MonoStream(path, sr, max(expected, total))
+            mono.add(np.concatenate(pending), last=False)
+            pending, held = [], 0
+    if sr is None:
+        return None
+    data = np.concatenate(pending) if pending else np.zeros((0, channels), np.float32)
+    if mono is None:
+        return _to_mono(path, data, sr)
+    mono.add(data, last=True)
+    return mono.result()
 
 
 # ffmpeg's sample formats by numpy dtype: integers scaled as libsndfile scales them to float (x / 2^(bits-1))

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from runner.app import wer
-from runner.app.e2e_summary import md_text
 from runner.app.golden import golden_mismatch, read_golden
 from runner.app.run_args import RunOptions
 from runner.bundle import Manifest
@@ -104,7 +103,7 @@ class WordErrorRate(ResultCheck):
 
     def __init__(self, path: Path, references: dict[str, str], max_wer: float | None):
         self.path, self.references, self.max_wer = path, references, max_wer
-        self.described = f"WER against `{Path(path).name}`"
+        self.described = f"WER against {Path(path).name}"
         self.scores: list[wer.FileWER] = []
 
     def check(self, done: JobResult) -> Verdict:
@@ -135,7 +134,7 @@ class ExpectedText(ResultCheck):
 
     def __init__(self, text: str):
         self.text = text
-        self.described = f"expected text {md_text(repr(text))}"
+        self.described = f"expected text {text!r}"
 
     def check(self, done: JobResult) -> Verdict:
         said = done.result.text
@@ -152,7 +151,7 @@ class GoldenTokens(ResultCheck):
 
     def __init__(self, path: Path, golden: dict[str, list[int]]):
         self.path, self.golden = path, golden
-        self.described = f"golden tokens `{Path(path).name}`"
+        self.described = f"golden tokens {Path(path).name}"
 
     @classmethod
     def read(cls, path: Path, manifest: Manifest) -> GoldenTokens:

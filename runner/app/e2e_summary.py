@@ -18,11 +18,13 @@ class FileRow:
 
     file: str
     text: str
-    cells: dict[str, str] = field(default_factory=dict)  # COLUMNS key -> cell
+    cells: dict[str, str] = field(default_factory=dict)  # COLUMNS key -> cell (our own markup, numbers)
+    error: str | None = None  # why the file failed: shown in place of its text
 
     def markdown(self) -> str:
         cells = " | ".join(self.cells.get(key, NOT_ASKED) for key in COLUMNS)
-        return f"| `{self.file}` | {md_text(cut_text(self.text))} | {cells} |"
+        text = f"**error**: {md_text(self.error)}" if self.error is not None else md_text(cut_text(self.text))
+        return f"| {md_text(self.file)} | {text or '(empty)'} | {cells} |"
 
 
 @dataclass
@@ -34,7 +36,7 @@ class E2ESummary:
     notes: list[str] = field(default_factory=list)
 
     def markdown(self, failures: list[str], stopped: BaseException | None = None) -> str:
-        lines = [f"### {self.title}", "", self.settings, ""]
+        lines = [f"### {md_text(self.title)}", "", md_text(self.settings), ""]
         lines.append("| file | text | " + " | ".join(COLUMNS.values()) + " |")
         lines.append("|---|---|" + "".join("---:|" if key in NUMERIC else "---|" for key in COLUMNS))
         lines += [r.markdown() for r in self.rows]
@@ -61,9 +63,26 @@ def cut_text(text: str, n: int = TEXT_CELL) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def md_text(text: str) -> str:
-    """Plain text in a markdown table cell: markdown's punctuation escaped, no line breaks."""
-    text = " ".join(text.split())
-    for ch in "\\`*_[]<>|#":
-        text = text.replace(ch, "\\" + ch)
-    return text or "(empty)"
+# translate() maps each character once, so an escape is never escaped again. `<`, `>`, `&` as entities: no raw
+# HTML, and GitHub's table splitter ignores them; `|` as `\|`, which GFM honours in a cell.
+_ESCAPES = str.maketrans(
+    {
+        "\\": "\\\\",
+        "`": "\\`",
+        "|": "\\|",
+        "*": "\\*",
+        "[": "\\[",
+        "]": "\\]",
+        "#": "\\#",
+        "<": "&lt;",
+        ">": "&gt;",
+        "&": "&amp;",
+    }
+)
+
+
+def md_text(text: object) -> str:
+    """Plain text as markdown that stays one table cell or one heading: every whitespace run (line breaks, CR) a
+    single space, pipes, backticks, emphasis and link brackets backslash-escaped, HTML's `<`, `>`, `&` as entities.
+    The one escaping function of the job summaries (the e2e summary, bench's table, ci_scripts/job_summary.py)."""
+    return " ".join(str(text).split()).translate(_ESCAPES)

@@ -61,7 +61,7 @@ class Reporter:
         """This file's fault: its record and summary row say so, and the run goes on with the next."""
         msg = str(error) if str(path) in str(error) else f"{path}: {error}"  # the line names the file at fault
         self.failures.append(msg)
-        self.summary.rows.append(FileRow(Path(path).name, f"**error**: {md_text(msg)[:ERROR_CELL]}"))
+        self.summary.rows.append(FileRow(Path(path).name, "", error=msg[:ERROR_CELL]))
         if self.progress is not None:
             self.say(f"error: {msg}")
             self.announced.add(msg)

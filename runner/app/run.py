@@ -114,7 +114,7 @@ def summary_for(program: Program, generation: GenerationOptions, checks: list[Re
     sampling = "greedy" if g.temperature == 0 else f"temperature {g.temperature:g}, top-p {g.top_p:g}"
     described = [c.described for c in sorted(checks, key=lambda c: list(COLUMNS).index(c.column))]
     return E2ESummary(
-        title=f"e2e: `{program.bundle_dir.name}` ({m.device}, {m.dtype}), {files} file(s)",
+        title=f"e2e: {program.bundle_dir.name} ({m.device}, {m.dtype}), {files} file(s)",
         settings=f"{sampling}, at most {g.max_new_tokens or 'the default number of'} new tokens; checked: "
         f"{', '.join(described) or 'nothing'}",
         files=files,

@@ -223,10 +223,11 @@ def test_job_summary_script_renders_bench_records_as_the_headline_table(bench_ru
 # ---------------------------------------------------------------- the regression gate
 
 
-def _doctored(src: Path, dest: Path, factor: float = 10.0) -> Path:
-    """Every figure `factor` times better than recorded."""
+def _doctored(src: Path, dest: Path, factor: float = 10.0, **context: str) -> Path:
+    """Every figure `factor` times better than recorded (and the run context's `context` fields changed)."""
     records = _records(src)
     for r in records:
+        r["benchmark"]["extra_info"].update(context)
         m = r["metric"]
         if r["model"]["backend"] != OURS or m["name"] == "error":
             continue
@@ -253,7 +254,7 @@ def test_faster_baseline_fails_naming_the_metric(bench_run, tmp_path, capsys):
 
 
 def test_gate_runs_at_the_end_of_a_real_run(bench_run, tiny_bundle, tmp_path, capsys):
-    base = _doctored(bench_run[1] / "out.json", tmp_path / "fast.json")
+    base = _doctored(bench_run[1] / "out.json", tmp_path / "fast.json", new_tokens="4")  # the same workload
     argv = (
         f"bench --bundle {tiny_bundle} --runs 1 --warmup 0 --compare none --min-new-tokens 4 --max-new-tokens 4 "
         f"--json {tmp_path / 'new.json'} --baseline {base} --gate text_decoder_decode_ms,memory"

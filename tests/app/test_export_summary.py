@@ -50,7 +50,7 @@ def test_files_total_size_and_digest(tmp_path):
     manifest = write_fake_bundle(bundle)
     text = check_bundle(bundle, tmp_path / "summary.md")
     digest = re.search(r"bundle digest `([0-9a-f]{64})`", text).group(1)
-    assert text.startswith(f"### Bundle `{bundle.name}`\n")
+    assert text.startswith(f"### Bundle {bundle.name}\n")
     files = table(text, "| file | role | size | sha256 |")
     assert [r[0].strip("`") for r in files[:-1]] == ["model.pte", *sorted(manifest.files)]
     total = (bundle / "model.pte").stat().st_size + sum(e.size for e in manifest.files.values())
@@ -70,7 +70,7 @@ def test_compile_time_per_method_and_whether_it_came_from_the_cache(tmp_path):
     )
     text = check_bundle(bundle, tmp_path / "summary.md")
     rows = table(text, "| method | compile time | from the compile cache |")
-    assert rows == [["`audio_encoder`", "41.2 s", "no"], ["`text_decoder`", "0.05 s", "yes"]]
+    assert rows == [["audio_encoder", "41.2 s", "no"], ["text_decoder", "0.05 s", "yes"]]
     assert "compile time in all: 41.3 s" in text
 
 
@@ -79,7 +79,7 @@ def test_without_the_cache_record_only_the_time(tmp_path):
     write_fake_bundle(bundle)
     with_model(bundle, compile_seconds={"preprocessor": 3.0, "token_embedding": 12.0})
     text = check_bundle(bundle, tmp_path / "summary.md")
-    assert table(text, "| method | compile time |") == [["`preprocessor`", "3.00 s"], ["`token_embedding`", "12.0 s"]]
+    assert table(text, "| method | compile time |") == [["preprocessor", "3.00 s"], ["token_embedding", "12.0 s"]]
     assert "from the compile cache" not in text
 
 

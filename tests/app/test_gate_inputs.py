@@ -84,3 +84,83 @@ def test_an_empty_gate_is_one_error_line(gate, tmp_path, capsys):
     assert main(["bench", "--from-json", str(path), "--baseline", str(path), "--gate", gate]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --gate {gate!r}: name at least one figure"), err
+
+
+# ---- like with like: a baseline of another GPU, workload or unit is refused, naming what differs
+
+CONTEXT = {
+    "model": "tiny", "device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "arch": "NVIDIA H100 80GB HBM3", "weights": "random",
+    "audio_seconds": "30.00", "prefill_tokens": "393", "new_tokens": "64", "chunks": "1", "dtype": "bfloat16",
+}  # fmt: skip
+
+
+def contextual(records: list[dict], **changes: str) -> list[dict]:
+    """The records with a run context (what bench's context() writes), some of its fields changed."""
+    records = json.loads(json.dumps(records))
+    for r in records:
+        r["metric"]["benchmark_values"] = [float(r["metric"]["extra_info"]["median"])]  # what --from-json reads
+        r["benchmark"]["extra_info"] = CONTEXT | changes
+        r["benchmark"]["dtype"] = (CONTEXT | changes)["dtype"]
+    return records
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("gpu", "NVIDIA A10G"),
+        ("arch", "NVIDIA A10G"),
+        ("audio_seconds", "10.00"),
+        ("prefill_tokens", "1000"),
+        ("new_tokens", "8"),
+        ("chunks", "3"),
+        ("dtype", "float32"),
+        ("weights", "hub"),
+        ("throughput_files", "16"),
+    ],
+)
+def test_a_baseline_of_another_gpu_or_workload_is_refused_naming_the_field(field, value):
+    """They passed as "no regression in N figures": the figures of another GPU or workload say nothing."""
+    with pytest.raises(RunnerError) as e:
+        evaluate(contextual(run()), contextual(run(), **{field: value}), Path("base.json"), GATE, Thresholds(20.0))
+    msg = str(e.value)
+    assert msg.startswith("base.json: ") and "\n" not in msg and field in msg and value in msg, msg
+    assert evaluate(contextual(run()), contextual(run()), Path("base.json"), GATE, Thresholds(20.0)).error() is None
+
+
+@pytest.mark.parametrize("unit, median", [("us", 1000.0), ("s", 0.001), ("tokens/s", 10.0)])
+def test_a_baseline_figure_in_another_unit_is_refused_not_compared(unit, median):
+    """A ttft of 10 ms against a baseline of 1000 us read as 99% better: a 10x slowdown, hidden."""
+    base = run()
+    base[1]["metric"]["extra_info"].update(unit=unit, median=str(median))
+    with pytest.raises(RunnerError) as e:
+        evaluate(run(), base, Path("base.json"), GATE, Thresholds(20.0))
+    msg = str(e.value)
+    assert msg.startswith("base.json: ") and "ttft_ms" in msg and unit in msg and "ms" in msg, msg
+
+
+def test_a_baseline_that_counts_better_the_other_way_is_refused():
+    base = run()
+    base[0]["metric"]["extra_info"]["better"] = "lower"
+    with pytest.raises(RunnerError, match="decode_tokens_per_s"):
+        evaluate(run(), base, Path("base.json"), GATE, Thresholds(20.0))
+
+
+def test_throughput_at_a_batch_of_another_workload_is_refused():
+    def at_batch(files: str) -> list[dict]:
+        r = record("throughput_rtfx_b8", 50.0, unit="x")
+        r["model"]["extra_info"] = {"throughput_b8_files": files, "throughput_b8_audio_seconds": "120.000"}
+        return [r]
+
+    with pytest.raises(RunnerError, match="throughput_b8_files"):
+        evaluate(at_batch("16"), at_batch("4"), Path("base.json"), {"throughput"}, Thresholds(20.0))
+    assert evaluate(at_batch("16"), at_batch("16"), Path("base.json"), {"throughput"}, Thresholds(20.0)).changes
+
+
+def test_the_cli_refuses_a_baseline_of_another_gpu_in_one_line(tmp_path, capsys):
+    now, base = tmp_path / "now.json", tmp_path / "base.json"
+    now.write_text(json.dumps(contextual(run())))
+    base.write_text(json.dumps(contextual(run(decode=1000.0), gpu="NVIDIA A10G", arch="NVIDIA A10G")))
+    assert main(["bench", "--from-json", str(now), "--baseline", str(base)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {base}: ") and "NVIDIA A10G" in err[0], err
+    assert main(["bench", "--from-json", str(now), "--baseline", str(now)]) == 0

@@ -358,7 +358,9 @@ def test_identical_libraries_loaded_at_once_stay_separate(tiny_bundle, tmp_path,
 # ---------------------------------------------------------------- threads
 
 
-def _threads(n: int, target, *args_per_thread) -> list[BaseException]:
+def _threads(n: int, target, *args_per_thread, timeout: float = 600) -> list[BaseException]:
+    """Run `target` in `n` threads (thread i with args_per_thread[i]) and wait for them; the exceptions they
+    raised. A thread still running after `timeout` seconds is a deadlock: the test fails, it never passes."""
     errors: list[BaseException] = []
 
     def wrap(*a):
@@ -371,8 +373,19 @@ def _threads(n: int, target, *args_per_thread) -> list[BaseException]:
     for t in ts:
         t.start()
     for t in ts:
-        t.join(timeout=600)
+        t.join(timeout=timeout)
+    hung = [t.name for t in ts if t.is_alive()]
+    assert not hung, f"threads still running after {timeout:g} s (a deadlock): {', '.join(hung)}"
     return errors
+
+
+def test_a_thread_that_never_finishes_fails_the_thread_helper():
+    release = threading.Event()
+    try:
+        with pytest.raises(AssertionError, match="a deadlock"):
+            _threads(2, lambda e: e.wait(), (release,), (release,), timeout=0.05)
+    finally:
+        release.set()
 
 
 def test_two_threads_two_runners(tiny_bundle, fixture_files):

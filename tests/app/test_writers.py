@@ -13,14 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from whisper import utils as whisper_utils  # openai-whisper, the test extra: without it these fail, never skip
 
 from runner.app.report import segments_of, window_records, window_warnings
 from runner.app.writers import FORMATS, LEDGER, OutputOptions, TranscriptWriter, check_targets, transcript
 from runner.errors import RunnerError
 from runner.runtime.results import GenerationResult, Segment, WindowResult
 from runner.stats import Stats
-
-whisper_utils = pytest.importorskip("whisper.utils")  # openai-whisper, the test extra
 
 AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 

@@ -10,6 +10,7 @@ import pytest
 import soundfile as sf
 import soxr
 
+import runner.audio as audio_module
 from runner.audio import (
     N_FRAMES,
     N_SAMPLES,
@@ -169,3 +170,64 @@ def test_audio_module_imports_neither_torch_nor_the_audio_libraries():
     code = "import sys, runner.audio; sys.exit(any(m in sys.modules for m in ('torch', 'soundfile', 'soxr')))"
     root = Path(__file__).resolve().parents[2]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+# ---- long files: read, mixed and resampled block by block, with the samples of one whole read
+
+
+def _blocks_and_whole(monkeypatch, path):
+    whole = load_audio(path)
+    monkeypatch.setattr(audio_module, "BLOCK_BYTES", 4096)  # a few hundred frames a block: many blocks
+    return load_audio(path), whole
+
+
+@pytest.mark.parametrize(
+    "rate, channels, subtype",
+    [(48000, 2, "FLOAT"), (44100, 2, "PCM_16"), (SAMPLE_RATE, 3, "PCM_24"), (22050, 1, "FLOAT"), (8000, 1, "PCM_U8")],
+)
+def test_a_file_read_in_blocks_gives_the_samples_of_one_read(tmp_path, monkeypatch, rate, channels, subtype):
+    rng = np.random.default_rng(rate + channels)
+    x = (0.5 * rng.standard_normal((int(rate * 2.3) + 7, channels))).clip(-1, 1).astype(np.float32)
+    path = tmp_path / "x.wav"
+    sf.write(path, x, rate, subtype=subtype)
+    blocks, whole = _blocks_and_whole(monkeypatch, path)
+    assert blocks.dtype == np.float32 and blocks.shape == whole.shape
+    np.testing.assert_allclose(blocks, whole, rtol=0, atol=1e-6)
+
+
+def test_a_block_read_file_refuses_a_nan_late_in_it_like_a_whole_read(tmp_path, monkeypatch):
+    x = np.zeros((48000, 2), np.float32)
+    x[-3, 1] = np.nan
+    sf.write(tmp_path / "nan.wav", x, 48000, subtype="FLOAT")
+    monkeypatch.setattr(audio_module, "BLOCK_BYTES", 4096)
+    with pytest.raises(AudioError, match="contains NaN or Inf samples"):
+        load_audio(tmp_path / "nan.wav")
+
+
+def test_a_block_read_file_too_loud_to_resample_names_its_peak(tmp_path, monkeypatch):
+    x = np.zeros((48000, 2), np.float32)
+    x[-4000:-3000] = np.float32(3e38) * np.where(np.arange(1000) % 2, 1, -1)[:, None]
+    sf.write(tmp_path / "loud.wav", x, 48000, subtype="FLOAT")
+    with pytest.raises(AudioError) as whole:
+        load_audio(tmp_path / "loud.wav")
+    monkeypatch.setattr(audio_module, "BLOCK_BYTES", 4096)
+    with pytest.raises(AudioError) as blocks:
+        load_audio(tmp_path / "loud.wav")
+    assert "too large to process (peak 3e+38)" in str(blocks.value) and str(blocks.value) == str(whole.value)
+
+
+def test_a_file_only_ffmpeg_reads_gives_in_blocks_the_samples_of_one_read(tmp_path, monkeypatch):
+    """64-bit integer PCM: libsndfile refuses it, so PyAV decodes it; its frames are gathered into blocks."""
+    import struct
+
+    rng = np.random.default_rng(7)
+    ints = (rng.uniform(-0.5, 0.5, (48000 * 2 + 5, 2)) * 2**63).astype("<i8")
+    data = ints.tobytes()
+    fmt = struct.pack("<IHHIIHH", 16, 1, 2, 48000, 48000 * 16, 16, 64)
+    path = tmp_path / "s64.wav"
+    path.write_bytes(
+        b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+    )
+    blocks, whole = _blocks_and_whole(monkeypatch, path)
+    assert blocks.shape == whole.shape and abs(len(whole) - 32000) <= 2
+    np.testing.assert_allclose(blocks, whole, rtol=0, atol=1e-6)

@@ -7,6 +7,7 @@ mutations. The long runs are atheris scripts: tests/fuzz/ (`nox -s fuzz`)."""
 from __future__ import annotations
 
 import io
+import re
 import struct
 from pathlib import Path
 
@@ -171,12 +172,19 @@ def test_manifest_file_of_arbitrary_bytes(scratch, data):
         pass
 
 
-def test_manifest_numbers_out_of_range(manifest_bytes):
-    """JSON numbers Python parses into huge ints or infinities where the manifest wants small ints."""
+@pytest.mark.parametrize("field", ["format_version", "size"])
+@pytest.mark.parametrize("bad", ["1e999", "-1e999", "1" * 5000, "NaN", "Infinity", "-1", "1.5"])
+def test_manifest_numbers_out_of_range(manifest_bytes, field, bad):
+    """JSON numbers Python parses into huge ints, infinities or fractions where the manifest wants a small whole
+    number, put in place of the real manifest's own (found in its text, whatever its format version): refused."""
     text = manifest_bytes.decode()
-    for bad in ("1e999", "-1e999", "1" * 5000, "NaN", "Infinity"):
-        _parse(text.replace('"format_version": 1', f'"format_version": {bad}').encode())
-        _parse(text.replace('"size": ', f'"size": {bad}, "x": ', 1).encode())
+    assert isinstance(Manifest.from_json(text), Manifest)  # the number replaced is the only fault
+    real = re.search(rf'"{field}": (\d+)', text)
+    assert real is not None, f"the manifest has no {field} number to replace"
+    mutated = text[: real.start(1)] + bad + text[real.end(1) :]
+    assert mutated != text
+    with pytest.raises(BundleError):
+        Manifest.from_json(mutated)
 
 
 @pytest.mark.parametrize("sr", [SAMPLE_RATE, 44100])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner.app.bench.report import FIGURE, FIGURES, GROUPS, HEADLINE, OURS, THROUGHPUT, figure_for, read_records
+from runner.app.e2e_summary import md_text
 from runner.errors import RunnerError
 
 
@@ -96,7 +97,8 @@ class Change:
         )
 
 
-def _medians(records: list[dict], backend: str) -> dict[str, tuple[float, dict]]:
+def _medians(records: list[dict], backend: str) -> dict[str, tuple[float, dict, dict]]:
+    """Each figure's (median, metric.extra_info, model.extra_info) for `backend`."""
     out = {}
     for r in records:
         m = r.get("metric", {})
@@ -107,8 +109,26 @@ def _medians(records: list[dict], backend: str) -> dict[str, tuple[float, dict]]
             value = float(extra["median"]) if "median" in extra else statistics.median(m["benchmark_values"])
         except (KeyError, ValueError, TypeError, OverflowError, statistics.StatisticsError):
             value = math.nan  # a figure that is there but unreadable: never a pass (Change.regressed)
-        out[m["name"]] = (value, extra)
+        out[m["name"]] = (value, extra, r.get("model", {}).get("extra_info") or {})
     return out
+
+
+def _check_like(name: str, now: tuple, base: tuple) -> None:
+    """One figure measured alike in both runs: the same unit and direction, and for a throughput figure the same
+    files at its batch size. Raises RunnerError (without the path) naming what differs."""
+    fig = figure_for(name)
+    default = {"unit": fig.unit if fig else None, "better": fig.better if fig else None}
+    meaning = (
+        {k: str(now[1].get(k, default[k])) for k in default},
+        {k: str(base[1].get(k, default[k])) for k in default},
+    )
+    if diffs := _differences(*meaning, ("unit", "better")):
+        raise RunnerError(f"{name} is not measured alike ({'; '.join(diffs)}; baseline vs this run): not comparable")
+    head, _, batch = name.rpartition("_b")
+    if fig is not None and fig.group == "throughput" and batch.isdigit():
+        keys = [f"throughput_b{batch}_{k}" for k in SAME_PER_BATCH]
+        if diffs := _differences(now[2], base[2], keys):
+            raise RunnerError(f"{name} is for another workload ({'; '.join(diffs)}; baseline vs this run)")
 
 
 def check_records(records: list, path: Path) -> None:
@@ -140,10 +160,11 @@ def compare(
 ) -> list[Change]:
     """Our figures against the baseline's (medians), for metrics whose name or group is in `gate`."""
     base, changes = _medians(baseline, OURS), []
-    for name, (value, extra) in _medians(current, OURS).items():
+    for name, (value, extra, info) in _medians(current, OURS).items():
         fig = figure_for(name)
         if name not in base or not ({name, fig.group if fig else ""} & gate):
             continue
+        _check_like(name, (value, extra, info), base[name])
         old = base[name][0]
         if not math.isfinite(old):
             raise RunnerError(f"the baseline's {name} is {old}, not a number to compare with")
@@ -158,21 +179,47 @@ def compare(
     return changes
 
 
+# The run context's fields (bench's context()) that make two runs' figures comparable: the same model and weights
+# on the same device model (GPU name; CPU machine and cores), in the same dtype, timing the same workload. The
+# bundle digest may differ: a new export of the same model is exactly what the gate is for.
+SAME = (
+    "model", "weights", "device", "gpu", "arch", "dtype",
+    "audio_seconds", "chunks", "prefill_tokens", "new_tokens", "throughput_files",
+)  # fmt: skip
+# each batch size's throughput pass (model.extra_info), compared where a throughput figure of that batch is
+SAME_PER_BATCH = ("files", "audio_seconds")
+
+
+def _setup(records: list[dict]) -> dict[str, str | None] | None:
+    r = next((r for r in records if r["model"].get("backend") == OURS), None)
+    if r is None:
+        return None
+    ctx = r["benchmark"].get("extra_info", {})
+    found = {k: ctx.get(k) for k in SAME} | {"model": r["model"].get("name"), "dtype": r["benchmark"].get("dtype")}
+    return {k: None if v is None else str(v) for k, v in found.items()}
+
+
+def _differences(now: dict, base: dict, keys) -> list[str]:
+    """`key: baseline B, this run N` for each key whose values differ (a field one of them lacks differs)."""
+    shown = {None: "not recorded"}
+    return [f"{k} {shown.get(base.get(k), repr(base.get(k)))} vs {shown.get(now.get(k), repr(now.get(k)))}"
+            for k in keys if base.get(k) != now.get(k)]  # fmt: skip
+
+
+def _refuse(path: Path, what: str, diffs: list[str]) -> RunnerError:
+    return RunnerError(
+        f"{path}: baseline is for another {what} ({'; '.join(diffs)}; baseline vs this run): its figures are not "
+        "comparable, so the gate refuses; use a baseline of the same setup"
+    )
+
+
 def check_baseline_matches(current: list[dict], baseline: list[dict], path: Path) -> None:
-    """Same model, device and dtype, or the comparison means nothing (the bundle digest may differ: a new
-    export of the same model is exactly what the gate is for)."""
-
-    def ident(records: list[dict]) -> tuple:
-        r = next((r for r in records if r["model"].get("backend") == OURS), None)
-        if r is None:
-            return ()
-        return (r["model"].get("name"), r["benchmark"].get("extra_info", {}).get("device"), r["benchmark"].get("dtype"))
-
-    a, b = ident(current), ident(baseline)
-    if not b:
+    """The same setup (SAME), or the comparison means nothing: one error naming every field that differs."""
+    now, base = _setup(current), _setup(baseline)
+    if base is None:
         raise RunnerError(f"{path}: the baseline has no records for {OURS}")
-    if a != b:
-        raise RunnerError(f"{path}: baseline is for {' '.join(map(str, b))}, this run is {' '.join(map(str, a))}")
+    if now is not None and (diffs := _differences(now, base, SAME)):
+        raise _refuse(path, "setup", diffs)
 
 
 NO_BASELINE = "no baseline yet: gate skipped"
@@ -206,12 +253,12 @@ class GateResult:
     def markdown(self) -> str:
         if self.skipped is not None:
             return (
-                f"#### Regression gate: {NO_BASELINE}\n\n{self.skipped} (no earlier green run to compare with); "
+                f"#### Regression gate: {NO_BASELINE}\n\n{md_text(self.skipped)} (no earlier green run to compare with); "
                 "nothing was compared and the gate passes.\n"
             )
         regs = self.regressions
         lines = [
-            f"#### Regression gate vs `{self.baseline}`: "
+            f"#### Regression gate vs {md_text(self.baseline)}: "
             + (f"**{len(regs)} regression(s)**" if regs else "no regression")
             + f" in {len(self.changes)} figures",
             "",

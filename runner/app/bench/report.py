@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runner.app.e2e_summary import md_text
 from runner.errors import RunnerError
 
 OURS = "aoti"
@@ -378,7 +379,7 @@ def _cell(s: Summary | None, unit: str) -> str:
 
 
 def _label(backend: str) -> str:
-    return LABELS.get(backend, backend)
+    return md_text(LABELS.get(backend, backend))
 
 
 def headline_rows(run: BenchRun) -> list[list[str]]:
@@ -398,14 +399,17 @@ def headline_rows(run: BenchRun) -> list[list[str]]:
 def markdown(run: BenchRun, title: str | None = None) -> str:
     """The headline same-run table (ours beside each peer, with ratios), what was measured in one line, and the
     peers that could not run. Every figure, with all its samples, is in the JSON records."""
-    ctx, peers = run.context, [p for p in run.peers if p.error is None]
-    title = title or f"Voxtral benchmark: {ctx['model']} on {ctx['device']} ({ctx['dtype']})"
+    peers = [p for p in run.peers if p.error is None]
+    raw = run.context
+    shown = {"git_sha": short_sha(raw["git_sha"], 12), "audio": Path(raw["audio"]).name}
+    ctx = {k: md_text(v) for k, v in (raw | shown | {"bundle_digest": raw["bundle_digest"][:12]}).items()}
+    title = md_text(title or f"Voxtral benchmark: {raw['model']} on {raw['device']} ({raw['dtype']})")
     lines = [
         f"### {title}",
         "",
-        f"{ctx['arch']}, torch {ctx['torch_version']}, git {short_sha(ctx['git_sha'], 12)}; bundle `{ctx['bundle']}` "
-        f"(manifest sha256 {ctx['bundle_digest'][:12]}); median (p90) of {ctx['runs']} runs after {ctx['warmup']} "
-        f"warm-up; e2e: `{Path(ctx['audio']).name}` ({ctx['audio_seconds']} s), {ctx['new_tokens']} new tokens; "
+        f"{ctx['arch']}, torch {ctx['torch_version']}, git {ctx['git_sha']}; bundle {ctx['bundle']} "
+        f"(manifest sha256 {ctx['bundle_digest']}); median (p90) of {ctx['runs']} runs after {ctx['warmup']} "
+        f"warm-up; e2e: {ctx['audio']} ({ctx['audio_seconds']} s), {ctx['new_tokens']} new tokens; "
         f"per method: {ctx['chunks']} chunk(s), prefill {ctx['prefill_tokens']} tokens",
         "",
     ]
@@ -426,7 +430,7 @@ def markdown(run: BenchRun, title: str | None = None) -> str:
     ]
     for p in run.peers:
         if p.error is not None:
-            lines.append(f"\n{_label(p.backend)}: not measured: {p.error}")
+            lines.append(f"\n{_label(p.backend)}: not measured: {md_text(p.error)}")
         elif p.info.get("note"):
-            lines.append(f"\n{_label(p.backend)}: {p.info['note']}")
+            lines.append(f"\n{_label(p.backend)}: {md_text(p.info['note'])}")
     return "\n".join(lines) + "\n"

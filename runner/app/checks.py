@@ -17,7 +17,7 @@ from runner.dtypes import torch_dtype
 from runner.errors import RunnerError
 from runner.families import Family
 from runner.reference import eager_engine
-from runner.reference.score import ReferenceReport, compare_with_reference
+from runner.reference.score import STEP_TOLERANCE, ReferenceReport, compare_with_reference
 from runner.runtime.batch import JobResult
 from runner.runtime.generate import GenerationOptions, MultimodalRunner
 from runner.runtime.program import Program
@@ -83,12 +83,19 @@ class EagerReference(ResultCheck):
             f"eager reference: {first}, max logit error {rep.max_logit_error:.3g} (logit scale {rep.logit_scale:.3g})"
             f"{', near tie' if rep.near_tie else ''}"
         )
-        at = rep.first_divergence
-        failures = [] if rep.ok else [f"{done.job.key}: tokens differ from the eager reference at token {at}"]
+        at, tol = rep.first_divergence, STEP_TOLERANCE.get(self.dtype, STEP_TOLERANCE[torch.bfloat16])
+        failures = []
+        if not rep.worst_ratio <= tol:
+            failures.append(
+                f"{done.job.key}: logits differ from the eager reference at step {rep.worst_step} by "
+                f"{rep.worst_ratio:.3g} of its logit scale (a faithful {self.dtype} run stays within {tol:g})"
+            )
+        elif not rep.ok:
+            failures.append(f"{done.job.key}: tokens differ from the eager reference at token {at}")
         return Verdict(self.column, self._cell(rep), failures, {"reference": rep.to_dict()}, [line])
 
     def _cell(self, rep: ReferenceReport) -> str:
-        if self.generation.temperature > 0:
+        if self.generation.temperature > 0 or not rep.ok and rep.first_divergence is None:
             return f"{'ok' if rep.ok else '**logits differ**'} (max logit error {rep.max_logit_error:.2g})"
         if rep.first_divergence is None:
             return "match"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from runner.audio import CHUNK_LENGTH, MAX_SECONDS
+
 
 class FieldError(ValueError):
     """A manifest field of the wrong type, out of range or missing; the message names it (`model.max_seq_len`)."""
@@ -25,7 +27,22 @@ DEVICES = ("cpu", "cuda")
 _MODEL_REQUIRED = ("family", "required_methods", "config", "max_seq_len", "tokenizer", "special_tokens")
 _CHUNKED = ("max_audio_chunks", "tokens_per_chunk")
 CHUNKED_METHOD = "audio_encoder"
-_POSITIVE = ("max_seq_len", "max_audio_chunks", "n_mels", "max_recording_chunks", "max_batch")
+# The largest sizes a bundle may declare, and `export` build: what loading or regenerating a bundle allocates from
+# (1e12 positions of KV cache would be a MemoryError deep in torch, not a line naming the field).
+MAX_AUDIO_CHUNKS = MAX_SECONDS // CHUNK_LENGTH  # 480: the longest audio the runner reads, in one prompt
+MAX_SEQ_LEN = 1 << 18  # positions: the default context of MAX_AUDIO_CHUNKS (runner/audio.py context_for) fits
+MAX_BATCH = 1024  # sequences one batched decode step takes
+MAX_STREAMS = 1024  # stream slots of a streaming bundle
+MAX_SEED = 2**63 - 1  # torch.manual_seed's int64
+MAX_CONFIG_SIZE = 1 << 24  # a width, a layer count or a vocabulary: far past any model's
+_POSITIVE = {
+    "max_seq_len": MAX_SEQ_LEN,
+    "max_audio_chunks": MAX_AUDIO_CHUNKS,
+    "n_mels": 1024,
+    "max_recording_chunks": MAX_AUDIO_CHUNKS + 1,  # the recording and 30 s of zeros (runtime/features.py)
+    "max_batch": MAX_BATCH,
+    "max_streams": MAX_STREAMS,
+}
 _FLAGS = ("pdl", "multilingual", "prefill_pieces")
 _NAMES = ("family", "tokenizer_type")
 # config.text / config.audio: the sizes `inspect` shows (required) and the others (checked when present)
@@ -41,6 +58,10 @@ def _show(v: Any) -> str:
 
 def is_int(v: Any, least: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def in_range(v: Any, least: int, most: int) -> bool:
+    return is_int(v, least) and v <= most
 
 
 def need(ok: bool, where: str, value: Any, what: str) -> None:
@@ -79,9 +100,9 @@ def check_model(m: Any) -> None:
          required, "a list of method names")  # fmt: skip
     for key in _CHUNKED if CHUNKED_METHOD in required else ():
         _get(m, key, "model")
-    for key in _POSITIVE:
+    for key, most in _POSITIVE.items():
         if key in m:
-            need(is_int(m[key], 1), f"model.{key}", m[key], "a whole number >= 1")
+            need(in_range(m[key], 1, most), f"model.{key}", m[key], f"a whole number from 1 to {most:,}")
     if "tokens_per_chunk" in m:
         need(is_int(m["tokens_per_chunk"]), "model.tokens_per_chunk", m["tokens_per_chunk"], "a whole number >= 0")
     need(isinstance(m["tokenizer"], str) and m["tokenizer"], "model.tokenizer", m["tokenizer"], "a file name")
@@ -142,7 +163,8 @@ def _check_config(c: Any) -> None:
             _get(t, key, f"model.config.{tower}")
         for key in _CONFIG_SIZES:
             if key in t:
-                need(is_int(t[key], 1), f"model.config.{tower}.{key}", t[key], "a whole number >= 1")
+                need(in_range(t[key], 1, MAX_CONFIG_SIZE), f"model.config.{tower}.{key}", t[key],
+                     f"a whole number from 1 to {MAX_CONFIG_SIZE:,}")  # fmt: skip
         for key in ("rope_theta", "norm_eps"):
             if key in t:
                 v = t[key]

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from runner.app.options import Environment
 from runner.app.os_errors import reason
+from runner.app.run_args import whole
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for  # numpy, no torch
 from runner.errors import RunnerError
+from runner.manifest_fields import MAX_AUDIO_CHUNKS, MAX_BATCH, MAX_SEED, MAX_SEQ_LEN, MAX_STREAMS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "checked against the manifest's sha256; nothing is compiled",
     )
     p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
-    p.add_argument("--seed", type=int, default=0, help="seed for --random-init")
+    p.add_argument("--seed", type=whole(0, MAX_SEED), default=0, help="seed for --random-init")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument(
@@ -48,13 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-audio-chunks",
-        type=int,
+        type=whole(1, MAX_AUDIO_CHUNKS),
         default=DEFAULT_AUDIO_CHUNKS,
         help="audio one prompt takes, in 30 s chunks (60: 30 minutes); longer audio is transcribed in windows",
     )
     p.add_argument(
         "--max-seq-len",
-        type=int,
+        type=whole(1, MAX_SEQ_LEN),
         default=None,
         help="KV cache length (prompt + generated tokens); default: the audio's 375 positions per chunk, a prompt "
         f"and ~4 answer tokens a second ({context_for(DEFAULT_AUDIO_CHUNKS)} for {DEFAULT_AUDIO_CHUNKS} chunks)",
@@ -74,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-streams",
-        type=int,
+        type=whole(1, MAX_STREAMS),
         default=None,
         help="voxtral-realtime: concurrent streams one batched step takes (their state is allocated at load; "
         "default 64 on cuda, 8 on cpu)",
@@ -88,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-batch",
-        type=int,
+        type=whole(1, MAX_BATCH),
         default=1,
         help="voxtral: > 1 adds text_decoder_batch, which decodes up to this many files at once (run --batch N; "
         "its KV cache of N slots is allocated at load); 1: one file at a time",
@@ -122,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         print(args.out)
         return 0
     if args.regenerate is not None:
-        return _regenerate(args.regenerate, console)
+        return _regenerate(args.regenerate, cache_dir, console)
     out, report = _export(args, cache_dir, console)
     if report.up_to_date:  # the same model, weights, options, torch and code as the bundle there: nothing to do
         console.print(f"bundle: {out} is up to date", highlight=False)
@@ -226,16 +228,12 @@ class _PlainStatus:
         self.console.print(f"  {text}", highlight=False)
 
 
-def _regenerate(bundle: Path, console) -> int:
-    from runner.bundle import missing_weights, read_manifest
+def _regenerate(bundle: Path, cache_dir: Path, console) -> int:
+    from runner.digests import DigestCache
+    from runner.export.regenerate import regenerate  # imports torch only when there are weights to draw
 
-    if not missing_weights(bundle, read_manifest(bundle)):  # nothing to draw: no torch
-        console.print(f"{bundle}: every weight file is there")
-        print(bundle)
-        return 0
-    from runner.export.regenerate import regenerate
-
-    written = regenerate(bundle, progress=lambda what, phase: console.print(f"  {what:24s} {phase}"))
+    digests = DigestCache(cache_dir / "digests.json")  # the weights verified here need no hashing at load
+    written = regenerate(bundle, progress=lambda what, phase: console.print(f"  {what:24s} {phase}"), digests=digests)
     console.print(
         f"{bundle}: " + (f"{len(written)} weight files drawn again" if written else "every weight file is there")
     )

@@ -12,6 +12,8 @@ from runner.app.options import add_runtime_flags
 from runner.app.writers import FORMATS, OutputOptions
 from runner.runtime.options import RuntimeOptions
 
+MAX_WER = 100.0  # insertions take a WER past 1; a limit beyond this checks nothing
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -159,7 +161,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="reference transcripts JSON {audio file name: text}: print each file's and the total word error rate",
     )
     p.add_argument(
-        "--max-wer", type=float, default=None, help="with --wer: fail if the total WER is above this (0.2 = 20%%)"
+        "--max-wer",
+        type=number(0.0, MAX_WER, low_open=False),
+        default=None,
+        help="with --wer: fail if the total WER is above this (0.2 = 20%%)",
     )
 
 
@@ -185,6 +190,40 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--output-dir: replace files there that this runner did not write (or that were changed since)",
     )
+
+
+def whole(least: int, most: int):
+    """argparse's type for a whole number from `least` to `most`: the error line names the flag ("argument
+    --block-ms: ..."). The upper bound keeps what a flag sizes allocatable, so a typo is refused at once instead of
+    failing deep inside (a MemoryError, an OverflowError, a TypeError)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:  # "1e20", "abc", and more digits than int() reads
+            n = None
+        if n is None or not least <= n <= most:
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number from {least} to {most:,}")
+        return n
+
+    return parse
+
+
+def number(low: float, high: float, low_open: bool = True):
+    """argparse's type for a finite number above `low` (at least, with low_open=False) and at most `high`: NaN
+    compares false to every limit, so it would pass any later check unseen."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = math.nan
+        if not (math.isfinite(x) and (low < x if low_open else low <= x) and x <= high):
+            least = f"above {low:g}" if low_open else f"at least {low:g}"
+            raise argparse.ArgumentTypeError(f"{text!r}: a finite number {least}, at most {high:g}")
+        return x
+
+    return parse
 
 
 def _threshold(text: str) -> float | None:

@@ -15,20 +15,29 @@ method by method).
 The checks the e2e job relies on: `--expect-tokens GOLDEN` (every token equal to the golden file's, for this
 model on this device and dtype; a file with none for them is an error, as the check cannot run), `--check-whole` (each stream's tokens equal its file run alone, in one piece) and
 `--reference eager` (equal to the eager model's on the bundle's weights). Any failure: one `error:` line per
-failure and exit 1, after every file's record.
+failure and exit 1, after every file's record. A source that cannot be read (a bad file; on stdin, samples that are
+NaN, Inf or, with `--pcm f32le`, far past full scale) ends its own stream, whose record is its error: the other
+streams go on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 from runner.app.options import add_runtime_flags
+from runner.app.run_args import number, whole
 
 BLOCK_MS = 80  # one text position of audio per read: what a live source would deliver
+MAX_BLOCK_MS = 60_000  # a minute per read, far beyond what a live source delivers at once
+MAX_BENCH_SECONDS = 600.0  # each timed run's audio (synthesised whole, in memory): ten minutes
+# Float PCM is within ±1, clipped or boosted audio a little past it. s16 bytes read as f32le are NaN or far past
+# 1e4 within the first negative sample, so anything beyond this is not float audio.
+F32_PEAK = 64.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pcm", choices=("s16le", "f32le"), default="s16le", help="sample format of --audio -")
     p.add_argument("--realtime", action="store_true", help="feed a file at wall-clock speed (default: at once)")
-    p.add_argument("--block-ms", type=int, default=BLOCK_MS, help="milliseconds of audio per block fed")
+    p.add_argument(
+        "--block-ms", type=whole(1, MAX_BLOCK_MS), default=BLOCK_MS, help="milliseconds of audio per block fed"
+    )
     p.add_argument(
         "--reference", choices=("eager",), default=None, help="also run the eager model on the bundle's weights"
     )
@@ -50,12 +61,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runtime_flags(p, encoder=False)
     g = p.add_argument_group("benchmark (runner/app/stream_bench.py; synthetic audio, no --audio)")
     g.add_argument("--bench", action="store_true", help="time the bundle's streaming instead of transcribing")
-    g.add_argument("--bench-seconds", type=float, default=20.0, help="audio of the batch-1 step timing")
+    seconds = number(0.0, MAX_BENCH_SECONDS)
+    g.add_argument("--bench-seconds", type=seconds, default=20.0, help="audio of the batch-1 step timing")
     g.add_argument("--bench-batches", default=None, help="batch sizes, a comma list (default 1, 2, 4 .. max_streams)")
-    g.add_argument("--bench-steps", type=int, default=50, help="steps timed per batch size (and per half)")
-    g.add_argument("--latency-seconds", type=float, default=10.0, help="audio fed in real time per latency run")
-    g.add_argument("--long-minutes", type=float, default=12.0, help="the long stream's audio (memory growth)")
-    g.add_argument("--long-limit-s", type=float, default=300.0, help="wall-clock cap of the long stream")
+    g.add_argument(
+        "--bench-steps", type=whole(1, 100_000), default=50, help="steps timed per batch size (and per half)"
+    )
+    g.add_argument("--latency-seconds", type=seconds, default=10.0, help="audio fed in real time per latency run")
+    g.add_argument(
+        "--long-minutes", type=number(0.0, 24 * 60.0), default=12.0, help="the long stream's audio (memory growth)"
+    )
+    g.add_argument(
+        "--long-limit-s", type=number(0.0, 24 * 3600.0), default=300.0, help="wall-clock cap of the long stream"
+    )
     g.add_argument("--bench-json", type=Path, default=None, help="write the benchmark's results here (JSON)")
 
 
@@ -77,26 +95,60 @@ def _blocks(args, source: str, block: int):
 def _stdin_blocks(stdin, pcm: str, block: int):
     """A WAV stream's samples when stdin starts with a RIFF/WAVE header (its rate and channels converted as a
     file's are); raw 16 kHz mono PCM in the --pcm format otherwise."""
-    import numpy as np
-
     from runner.audio import is_wav_header, wav_stream_blocks
 
     head = stdin.read(12)
     if is_wav_header(head):
-        yield from wav_stream_blocks(stdin.read, block)
-        return
+        yield from _checked(wav_stream_blocks(stdin.read, block), None)
+    else:
+        yield from _checked(_raw_blocks(stdin, head, pcm, block), pcm)
+
+
+def _raw_blocks(stdin, head: bytes, pcm: str, block: int):
+    import numpy as np
+
     width, dtype = (2, "<i2") if pcm == "s16le" else (4, "<f4")
-    scale = 1 / 32768.0 if width == 2 else 1.0
     data = head  # the peeked bytes are the stream's first samples
     while True:
         more = stdin.read(block * width - len(data))
         data += more
         cut = len(data) - len(data) % width  # a sample split across reads waits for its other bytes
         if cut:
-            yield np.frombuffer(data[:cut], dtype=dtype).astype(np.float32) * np.float32(scale)
+            x = np.frombuffer(data[:cut], dtype=dtype).astype(np.float32)
+            yield x * np.float32(1 / 32768.0) if width == 2 else x  # f32 as it came: _checked refuses non-audio
         data = data[cut:]
         if not more:
             return
+
+
+def _checked(blocks, pcm: str | None):
+    """The blocks, refused at the first sample no audio has: NaN or Inf (the model would take it as silence and
+    stream zero tokens), and with raw --pcm f32le a magnitude far past full scale (16-bit samples read as float)."""
+    import numpy as np
+
+    from runner.errors import AudioError
+
+    seen = 0
+    for x in blocks:
+        bad = ~np.isfinite(x)
+        if pcm == "f32le":
+            with np.errstate(invalid="ignore"):
+                bad |= np.abs(x) > F32_PEAK
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise AudioError(_not_audio(pcm, seen + i, float(x[i])))
+        seen += len(x)
+        yield x
+
+
+def _not_audio(pcm: str | None, index: int, value: float) -> str:
+    if pcm is None:
+        return f"stdin: the WAV stream has a NaN or Inf sample (sample {index})"
+    what = f"a NaN or Inf sample (sample {index})" if not math.isfinite(value) else f"sample {index} is {value:g}"
+    return (
+        f"stdin: {what}: the data does not look like f32le PCM (float samples within about ±1); for 16-bit "
+        "samples pass --pcm s16le"
+    )
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -144,7 +196,8 @@ def main(args: argparse.Namespace) -> int:
         golden = read_golden(args.expect_tokens, program.manifest) if args.expect_tokens is not None else None
         steps = program_steps(program, args.runtime, family.spec.window)
         records = _stream_sources(args, family, steps)
-        failures = check_streams(args, program, steps, family.spec, records, golden)
+        failures = [r["error"] for r in records if "error" in r]  # each bad source's, beside the others' records
+        failures += check_streams(args, program, steps, family.spec, records, golden)
     _print_records(records, args.json)
     if failures:
         for f in failures[:-1]:
@@ -158,8 +211,6 @@ def _check_sources(args: argparse.Namespace) -> None:
 
     if not args.audio:
         raise RunnerError("--audio FILE (or -) is required, unless --bench")
-    if args.block_ms < 1:
-        raise RunnerError(f"--block-ms {args.block_ms}: at least 1")
     if "-" in args.audio and len(args.audio) > 1:
         raise RunnerError("--audio -: stdin is one stream; give it alone")
     if "-" in args.audio and (args.check_whole or args.reference):
@@ -188,9 +239,15 @@ def _stream_sources(args: argparse.Namespace, family, steps) -> list[dict]:
 
     streams = [Stream(spec, on_token(i)) for i in range(len(args.audio))]
     records: list[dict] = [{} for _ in args.audio]
+    failed: dict[int, str] = {}
 
     def done(i: int) -> None:
         s = streams[i]
+        if i in failed:
+            if live_text and s.tokens:  # end the line of text it streamed before failing
+                out.write(texts[i].flush() + "\n")
+            records[i] = {"audio": args.audio[i], "error": failed[i]}
+            return
         text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
         out.write((texts[i].flush() if live_text else f"{args.audio[i]}: {text}") + "\n")
         out.flush()
@@ -198,9 +255,24 @@ def _stream_sources(args: argparse.Namespace, family, steps) -> list[dict]:
         records[i]["stats"] = stream_stats(s, spec, s.received / SAMPLE_RATE)
 
     steps.reset()
-    sources = [(s, _blocks(args, src, block)) for s, src in zip(streams, args.audio)]
+    sources = [(s, _until_failure(args, i, block, s, failed)) for i, s in enumerate(streams)]
     run_fed(StreamBatch(steps, spec), sources, on_done=done)
     return records
+
+
+def _until_failure(args: argparse.Namespace, i: int, block: int, stream, failed: dict[int, str]):
+    """The i-th source's blocks. One that cannot be read (a bad file, samples that are not audio) ends its own
+    stream, whose record is then its error (`failed[i]`, a line naming the source): the other streams go on."""
+    from runner.app.os_errors import reason
+    from runner.errors import RunnerError
+
+    name = "stdin" if args.audio[i] == "-" else args.audio[i]
+    try:
+        yield from _blocks(args, args.audio[i], block)
+    except (RunnerError, OSError) as e:
+        text = reason(e) if isinstance(e, OSError) else str(e)
+        failed[i] = text if name in text else f"{name}: {text}"
+        stream.done = True  # its row is free for the next stream; run_fed ends it as any finished stream
 
 
 def timed(tok, spec, stream) -> dict:
@@ -216,6 +288,8 @@ def _print_records(records: list[dict], as_json: bool) -> None:
     for rec in records:
         if as_json:
             print(json.dumps(rec), flush=True)
+            continue
+        if "error" in rec:  # its error line comes with the other failures'
             continue
         st = rec["stats"]
         print(
@@ -258,7 +332,7 @@ def check_streams(args, program, steps, spec, records: list[dict], golden: dict 
 
         eager = eager_steps(args.bundle, program.manifest)
     failures: list[str] = []
-    for rec in records:
+    for rec in (r for r in records if "error" not in r):
         source, tokens, checks = rec["audio"], rec["tokens"], {}
         if golden is not None:
             want = golden.get(Path(source).name)

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=whole(1, MAX_STREAMS),
         default=None,
         help="voxtral-realtime: concurrent streams one batched step takes (their state is allocated at load; "
-        "default 64 on cuda, 8 on cpu)",
+        "default on cuda: as many as fit the GPU's free memory, at most 64; 8 on cpu)",
     )
     p.add_argument(
         "--max-autotune",

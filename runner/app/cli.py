@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from runner import __version__
 from runner.app.bench.args import add_arguments as add_bench  # the flags only, no torch
 from runner.app.export_cmd import add_arguments as add_export  # the flags only, no torch
 from runner.app.inspect_bundle import add_arguments as add_inspect  # the flags only, no torch
@@ -105,14 +106,15 @@ def _add_common_flags(p: argparse.ArgumentParser, before_verb: bool) -> None:
     p.add_argument("--debug", action="store_true", default=False if before_verb else unset, help="show tracebacks")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m runner") -> argparse.ArgumentParser:
     """The whole CLI without importing torch (or requests): each verb imports what it needs when it runs."""
     fmt = _HelpFormatter
     p = argparse.ArgumentParser(
-        prog="python -m runner",
+        prog=prog,
         formatter_class=fmt,
         description="Voxtral on AOTInductor: export a bundle, run it, time it, inspect it, or fetch one from a CI run.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_common_flags(p, before_verb=True)
     add_runtime_defaults(p)  # the runtime switches' values for the verbs that have none (runtime_options reads them)
     common = argparse.ArgumentParser(add_help=False)
@@ -146,8 +148,13 @@ def _verb(module: str):
     return run
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def console() -> int:
+    """The `voxtral-runner` console script: the same CLI, its usage naming the script."""
+    return main(prog="voxtral-runner")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m runner") -> int:
+    args = build_parser(prog).parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     # SIGTERM (timeout, a CI cancellation, a closed terminal) unwinds like Ctrl-C, so every `finally` and

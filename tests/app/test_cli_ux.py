@@ -273,3 +273,29 @@ def test_export_draws_no_spinner_into_a_log_even_with_force_color(tmp_path):
     assert "\r" not in r.stderr and "\x1b[?25l" not in r.stderr  # no carriage-return redraws, no hidden cursor
     assert "exporting tiny (cpu, fp32)" in r.stderr  # the progress, as a line
     assert not (tmp_path / "out").exists()
+
+
+def test_version_and_the_console_scripts_usage_name_the_program(monkeypatch, capsys):
+    """`python -m runner --version` and `voxtral-runner --version` print the package's version (pyproject's),
+    each under its own name; the console script's usage names itself, not `python -m runner`."""
+    import tomllib
+
+    from runner import __version__
+    from runner.app.cli import console, main
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__
+    assert project["license"] == "BSD-3-Clause" and "BSD 3-Clause" in (root / "LICENSE").read_text()
+    assert project["scripts"]["voxtral-runner"] == "runner.app.cli:console"
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"python -m runner {__version__}\n"
+    monkeypatch.setattr(sys, "argv", ["voxtral-runner", "--version"])
+    with pytest.raises(SystemExit):
+        console()
+    assert capsys.readouterr().out == f"voxtral-runner {__version__}\n"
+    monkeypatch.setattr(sys, "argv", ["voxtral-runner", "run"])
+    with pytest.raises(SystemExit):
+        console()
+    assert capsys.readouterr().err.startswith("usage: voxtral-runner run ")

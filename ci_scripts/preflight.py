@@ -1,10 +1,13 @@
 """The GPU workflow's first job, on a hosted runner, in seconds: is there a GPU runner to send the jobs to, and
 are the dispatch inputs ones the jobs can run? One `error:` line (and a `::error::` annotation) per problem.
 When all is well it writes the jobs' matrix (`matrix=` JSON, with --github-output): by default every preset in
-CELLS at the chosen dtype; a dispatch may pick one preset, or a checkpoint (one cell).
+CELLS at the chosen dtype; a dispatch may pick one preset, or a checkpoint (one cell); `runs-on=` the runner's
+label(s) as JSON (CUDA_RUNNER_LABEL: one label, or a JSON list such as ["self-hosted", "gpu"]); and `run=true`.
+A scheduled run (EVENT_NAME schedule) in a repository without a GPU runner is not a failure: a notice, `run=false`,
+and the GPU jobs are skipped. A dispatch without one still fails in one line.
 
     python ci_scripts/preflight.py [--github-output FILE]
-        # reads CUDA_RUNNER_LABEL, PRESET, CHECKPOINT, DTYPE, QUANT, MAX_NEW_TOKENS, BENCHMARK_RUNS
+        # reads CUDA_RUNNER_LABEL, EVENT_NAME, PRESET, CHECKPOINT, DTYPE, QUANT, MAX_NEW_TOKENS, BENCHMARK_RUNS
 """
 
 from __future__ import annotations
@@ -55,12 +58,34 @@ def preset_cells(preset: str, quant: str, dtype: str = INT4_DTYPE) -> list[tuple
     ]
 
 
+NO_RUNNER = (
+    "no GPU runner configured: set the repository variable CUDA_RUNNER_LABEL to the label of a self-hosted GPU runner "
+    '(or a JSON list of labels, e.g. ["self-hosted", "gpu"]; docs/ci.md says what it must provide)'
+)
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*", re.ASCII)
+
+
+def runner_labels(value: str) -> list[str] | str | None:
+    """CUDA_RUNNER_LABEL as runs-on takes it: one label, or a JSON list of labels; None if it is neither."""
+    value = value.strip()
+    if not value.startswith("["):
+        return value if LABEL.fullmatch(value) else None
+    try:
+        labels = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    ok = isinstance(labels, list) and labels and all(isinstance(x, str) and LABEL.fullmatch(x) for x in labels)
+    return labels if ok else None
+
+
 def problems(env: Mapping[str, str]) -> list[str]:
     out = []
-    if not env.get("CUDA_RUNNER_LABEL", "").strip():
+    label = env.get("CUDA_RUNNER_LABEL", "").strip()
+    if not label:
+        out.append(NO_RUNNER)
+    elif runner_labels(label) is None:
         out.append(
-            "no GPU runner configured: set the repository variable CUDA_RUNNER_LABEL to the label of a self-hosted "
-            "GPU runner (docs/ci.md says what it must provide)"
+            f'CUDA_RUNNER_LABEL {label!r}: a runner label, or a JSON list of labels such as ["self-hosted", "gpu"]'
         )
     checkpoint = env.get("CHECKPOINT", "")
     if checkpoint and not _checkpoint_ok(checkpoint):
@@ -107,6 +132,11 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     ap.add_argument("--github-output", help="append matrix=<JSON> here ($GITHUB_OUTPUT)")
     args = ap.parse_args(argv)
     env = os.environ if env is None else env
+    if env.get("EVENT_NAME") == "schedule" and not env.get("CUDA_RUNNER_LABEL", "").strip():
+        print(f"::notice::the weekly GPU run is skipped: {NO_RUNNER}")
+        print(f"preflight: skipped: {NO_RUNNER}", file=sys.stderr)
+        write_outputs(args.github_output, run=False)
+        return 0
     found = problems(env)
     for p in found:
         print(f"::error::{p}")
@@ -118,10 +148,19 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         "preflight: a GPU runner is configured and the inputs are valid; cells: "
         + ", ".join(c["cell"] for c in cells["include"])
     )
-    if args.github_output:
-        with open(args.github_output, "a") as f:
-            f.write(f"matrix={json.dumps(cells, separators=(',', ':'))}\n")
+    write_outputs(args.github_output, run=True, matrix=cells, labels=runner_labels(env["CUDA_RUNNER_LABEL"]))
     return 0
+
+
+def write_outputs(path: str | None, run: bool, matrix: dict | None = None, labels=None) -> None:
+    """The jobs' inputs: run=true|false, and for a run the matrix and runs-on (both JSON, for fromJSON)."""
+    if not path:
+        return
+    lines = [f"run={str(run).lower()}"]
+    if run:
+        lines += [f"matrix={json.dumps(matrix, separators=(',', ':'))}", f"runs-on={json.dumps(labels)}"]
+    with open(path, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
 
 
 if __name__ == "__main__":

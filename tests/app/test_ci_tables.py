@@ -4,6 +4,7 @@ input), and the markdown the job summaries write keeps its shape whatever the fi
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -216,3 +217,40 @@ def test_bundle_summary_with_hostile_file_and_method_names_keeps_its_tables(name
     assert_table_shape(files, 4, len(rows) + 1)  # the files, then the total
     assert_table_shape("| method |" + methods, 3, len(model["compile_seconds"]))
     assert_one_heading(text)
+
+
+# ---- ci_scripts/preflight.py: the weekly run without a GPU runner, runner labels
+
+
+def _outputs(path) -> dict:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
+
+
+def test_the_weekly_run_without_a_gpu_runner_is_a_notice_and_skips_the_gpu_jobs(tmp_path, capsys):
+    out = tmp_path / "out"
+    env = {**GOOD, "CUDA_RUNNER_LABEL": "", "EVENT_NAME": "schedule"}
+    assert preflight.main(["--github-output", str(out)], env) == 0
+    assert _outputs(out) == {"run": "false"}
+    assert capsys.readouterr().out.startswith("::notice::the weekly GPU run is skipped: no GPU runner configured")
+    # a dispatch (or a labelled pull request) without a runner still fails, in one line
+    assert preflight.main([], {**env, "EVENT_NAME": "workflow_dispatch"}) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no GPU runner configured")
+
+
+@pytest.mark.parametrize(
+    ("label", "runs_on"),
+    [("gpu-h100", "gpu-h100"), ('["self-hosted", "gpu"]', ["self-hosted", "gpu"]), (" linux-gpu ", "linux-gpu")],
+)
+def test_the_runner_label_is_one_label_or_a_json_list(tmp_path, label, runs_on):
+    out = tmp_path / "out"
+    assert preflight.main(["--github-output", str(out)], {**GOOD, "CUDA_RUNNER_LABEL": label}) == 0
+    got = _outputs(out)
+    assert got["run"] == "true" and json.loads(got["runs-on"]) == runs_on and json.loads(got["matrix"])["include"]
+
+
+@pytest.mark.parametrize("label", ["[]", '["gpu", 3]', "[gpu", 'gpu"; rm', '["a b"]'])
+def test_a_runner_label_that_is_neither_is_one_line(capsys, label):
+    assert preflight.main([], {**GOOD, "CUDA_RUNNER_LABEL": label}) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: CUDA_RUNNER_LABEL")

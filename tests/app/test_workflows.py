@@ -165,7 +165,10 @@ def test_gpu_jobs_wait_for_the_preflight_skip_fork_pull_requests_and_benchmarks_
     assert w["concurrency"]["cancel-in-progress"] is False
     bench = w["jobs"]["benchmark"]["concurrency"]
     assert bench["cancel-in-progress"] is False and "benchmark" in bench["group"]
-    assert "vars.CUDA_RUNNER_LABEL" in w["jobs"]["export-artifact"]["runs-on"]
+    for job in ("export-artifact", "benchmark", "e2e"):  # the preflight's label(s), skipped when it says not to run
+        assert w["jobs"][job]["runs-on"] == "${{ fromJSON(needs.preflight.outputs.runs-on) }}"
+    assert export["if"] == "needs.preflight.outputs.run == 'true'"
+    assert "vars.CUDA_RUNNER_LABEL" in pre["steps"][1]["env"]["CUDA_RUNNER_LABEL"]
 
 
 def test_preflight_fails_in_one_line_per_problem_without_a_gpu_runner_or_with_bad_inputs():

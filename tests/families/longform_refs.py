@@ -75,24 +75,46 @@ def espeak_recording(dest: Path, minutes: float, pause_s: float = 1.0) -> tuple[
 
 
 def lost_sentences(said: list[str], text: str, min_share: float = 0.5) -> list[int]:
-    """The sentences (by position) less than `min_share` of whose words appear, in order, in the part of `text`
-    aligned to them: by a word alignment of the whole text to the whole script (difflib), each word of the script
-    found or not."""
-    import difflib
-
+    """The sentences (by position) less than `min_share` of whose words come out: by the word alignment of least
+    edits between the whole script and the whole text (the WER's), each script word matched or not. (A longest-block
+    alignment misplaces whole sentences of a script that says its sentences more than once.)"""
     from runner.app.wer import normalize as words
 
-    ref, hyp = [], words(text)
-    owner = []
+    ref, owner = [], []
     for i, s in enumerate(said):
         w = words(s)
         ref += w
         owner += [i] * len(w)
     found = [0] * len(said)
-    for block in difflib.SequenceMatcher(a=ref, b=hyp, autojunk=False).get_matching_blocks():
-        for k in range(block.a, block.a + block.size):
-            found[owner[k]] += 1
+    for k in matched_words(ref, words(text)):
+        found[owner[k]] += 1
     return [i for i, s in enumerate(said) if found[i] < min_share * len(words(s))]
+
+
+def matched_words(ref: list[str], hyp: list[str]) -> list[int]:
+    """The positions in `ref` of the words a least-edits alignment to `hyp` matches (Levenshtein, backtraced)."""
+    n, m = len(ref), len(hyp)
+    d = np.zeros((n + 1, m + 1), np.int32)
+    d[:, 0], d[0, :] = np.arange(n + 1), np.arange(m + 1)
+    hyp_arr = np.array(hyp, dtype=object)
+    for i in range(1, n + 1):
+        same = hyp_arr == ref[i - 1]
+        row = np.minimum(d[i - 1, 1:] + 1, d[i - 1, :-1] + ~same)  # deletion, or match/substitution
+        for j in range(1, m + 1):  # insertions run along the row
+            row[j - 1] = min(row[j - 1], (d[i, j - 1] if j > 1 else i) + 1)
+            d[i, j] = row[j - 1]
+    out, i, j = [], n, m
+    while i > 0 and j > 0:
+        if ref[i - 1] == hyp[j - 1] and d[i, j] == d[i - 1, j - 1]:
+            out.append(i - 1)
+            i, j = i - 1, j - 1
+        elif d[i, j] == d[i - 1, j - 1] + 1:
+            i, j = i - 1, j - 1
+        elif d[i, j] == d[i - 1, j] + 1:
+            i -= 1
+        else:
+            j -= 1
+    return out[::-1]
 
 
 def openai_whisper_from(model) -> torch.nn.Module:

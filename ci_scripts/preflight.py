@@ -153,12 +153,13 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
 
 
 def write_outputs(path: str | None, run: bool, matrix: dict | None = None, labels=None) -> None:
-    """The jobs' inputs: run=true|false, and for a run the matrix and runs-on (both JSON, for fromJSON)."""
+    """The jobs' inputs: run=true|false, the matrix and runs-on (both JSON, for fromJSON)."""
     if not path:
         return
-    lines = [f"run={str(run).lower()}"]
-    if run:
-        lines += [f"matrix={json.dumps(matrix, separators=(',', ':'))}", f"runs-on={json.dumps(labels)}"]
+    if not run:  # the skipped jobs' matrix and runs-on still parse (act evaluates them)
+        matrix, labels = {"include": []}, "ubuntu-latest"
+    lines = [f"run={str(run).lower()}", f"matrix={json.dumps(matrix, separators=(',', ':'))}"]
+    lines.append(f"runs-on={json.dumps(labels)}")
     with open(path, "a") as f:
         f.write("".join(line + "\n" for line in lines))
 

@@ -230,7 +230,7 @@ def test_the_weekly_run_without_a_gpu_runner_is_a_notice_and_skips_the_gpu_jobs(
     out = tmp_path / "out"
     env = {**GOOD, "CUDA_RUNNER_LABEL": "", "EVENT_NAME": "schedule"}
     assert preflight.main(["--github-output", str(out)], env) == 0
-    assert _outputs(out) == {"run": "false"}
+    assert _outputs(out)["run"] == "false" and json.loads(_outputs(out)["matrix"]) == {"include": []}
     assert capsys.readouterr().out.startswith("::notice::the weekly GPU run is skipped: no GPU runner configured")
     # a dispatch (or a labelled pull request) without a runner still fails, in one line
     assert preflight.main([], {**env, "EVENT_NAME": "workflow_dispatch"}) == 1

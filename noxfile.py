@@ -251,7 +251,13 @@ def e2e(session: nox.Session) -> None:
             session.log(f"{cell.golden}: no golden tokens for {lacking}; checked by the cell's other checks only")
     for flag, values in cell.defaults.items():
         cli.default(flag, *values)
-    session.run("python", "-m", "runner", cell.verb, *cli.args)
+    what = f"{own.model} on {cli.value('--bundle')}"
+    try:
+        session.run("python", "-m", "runner", cell.verb, *cli.args)
+    except nox.command.CommandFailed:
+        print(f"e2e: FAIL: {what} (the error lines above say why)", flush=True)
+        raise
+    print(f"e2e: PASS: {what}", flush=True)
 
 
 def golden_lacks(bundle: Path, golden: Path) -> str | None:

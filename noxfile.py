@@ -39,6 +39,14 @@ nox.options.sessions = ["lint", "tests"]
 
 ROOT = Path(__file__).resolve().parent
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+# torch, and only torch, from this index (PyTorch's, e.g. https://download.pytorch.org/whl/cpu): every other
+# package resolves through pip's own index as usual
+TORCH_INDEX = os.environ.get("TORCH_INDEX", "")
+# TORCH_SPEC=preinstalled: a self-hosted GPU runner whose Python already holds a CUDA torch (NVIDIA's PyTorch
+# images): the session venvs see that Python's packages and install only the rest (offline from wheels with
+# PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR)
+PREINSTALLED = TORCH_SPEC == "preinstalled"
+VENV = {"venv_params": ["--system-site-packages"]} if PREINSTALLED else {}
 DEFAULT_BUNDLE = "artifacts/voxtral-tiny"
 BENCH_OUT = "artifacts/benchmark"
 FIXTURE_AUDIO = tuple(
@@ -126,7 +134,10 @@ def own_options(session: nox.Session, args: Sequence[str], **defaults: str | Non
 
 def install(session: nox.Session, extras: str = "") -> None:
     """torch and this project (editable, with `extras`) into the session's venv."""
-    install_once(session, TORCH_SPEC)
+    if PREINSTALLED:
+        session.run("python", "-c", "import torch; print('torch', torch.__version__, '(preinstalled)')")
+    else:
+        install_once(session, *(("--index-url", TORCH_INDEX) if TORCH_INDEX else ()), TORCH_SPEC)
     install_once(session, "-e", f".[{extras}]" if extras else ".")
 
 
@@ -152,7 +163,7 @@ def install_once(session: nox.Session, *requirements: str) -> None:
     stamp.write_text(json.dumps(sorted(done | {key})))
 
 
-@nox.session(name="export-artifact")
+@nox.session(name="export-artifact", **VENV)
 def export_artifact(session: nox.Session) -> None:
     """Build a bundle and run the required-file + digest check on it (the directory it wrote: --out, or
     artifacts/<preset or checkpoint name> when not given; artifacts/voxtral-tiny for the default)."""
@@ -220,7 +231,7 @@ def regenerate_weights(session: nox.Session, bundle: str) -> None:
     session.run("python", "-m", "runner", "export", "--regenerate", bundle)
 
 
-@nox.session
+@nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
     """Run the fixture audio through a bundle; check golden tokens and the eager reference.
 
@@ -271,7 +282,7 @@ def golden_lacks(bundle: Path, golden: Path) -> str | None:
     return None if kind in data.get("tokens", {}) else kind
 
 
-@nox.session
+@nox.session(**VENV)
 def benchmark(session: nox.Session) -> None:
     """Time load, each method and end-to-end generation, beside the eager model.
 
@@ -311,7 +322,7 @@ def benchmark(session: nox.Session) -> None:
     session.run("python", "-m", "runner", "bench", *cli.args)
 
 
-@nox.session
+@nox.session(**VENV)
 def tests(session: nox.Session) -> None:
     """The test suite (long soak/fuzz tests are behind the `slow` marker)."""
     install(session, "test,whisper")  # whisper: the real-speech tests (tests/test_whisper*.py) run, not skip
@@ -326,7 +337,7 @@ COMPAT_TESTS = (
 )  # fmt: skip
 
 
-@nox.session
+@nox.session(**VENV)
 @nox.parametrize("transformers", ["5.17.0", "5.25.0"])
 def compat(session: nox.Session, transformers: str) -> None:
     """The checkpoint and parity tests under one transformers release (`nox -s compat` runs both;
@@ -336,7 +347,7 @@ def compat(session: nox.Session, transformers: str) -> None:
     session.run("python", "-m", "pytest", *COMPAT_TESTS, *(session.posargs or ["-q"]))
 
 
-@nox.session
+@nox.session(**VENV)
 def soak(session: nox.Session) -> None:
     """The long hardening runs (tests marked `slow`): 1000 runs in one process, 100 load/destroy cycles, compiling
     onto a full disk. Prints the measured slopes (RSS, fds, libraries, threads; GPU memory on CUDA).
@@ -345,7 +356,7 @@ def soak(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-m", "slow", "-s", *(session.posargs or ["-q"]))
 
 
-@nox.session
+@nox.session(**VENV)
 def fuzz(session: nox.Session) -> None:
     """atheris on the manifest parser (+ verify_bundle and what reads the manifest), the audio loader and `fetch`
     against odd GitHub API answers, FUZZ_SECONDS each (default 300).
@@ -364,7 +375,7 @@ def fuzz(session: nox.Session) -> None:
         )  # fmt: skip
 
 
-@nox.session
+@nox.session(**VENV)
 def act(session: nox.Session) -> None:
     """Run the CPU workflow's jobs with nektos/act, as GitHub runs them (host mode without docker; artifacts and
     actions/cache through act's own servers), then check that every downloaded artifact is the uploaded one.
@@ -379,7 +390,7 @@ def act(session: nox.Session) -> None:
     session.run("python", "ci_scripts/act.py", *session.posargs)
 
 
-@nox.session
+@nox.session(**VENV)
 def lint(session: nox.Session) -> None:
     """ruff on the code; the layer contracts (import-linter, pyproject.toml); check-jsonschema, zizmor and
     actionlint on the workflows."""

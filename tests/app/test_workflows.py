@@ -224,7 +224,8 @@ def test_preflight_writes_the_matrix_every_preset_one_preset_or_one_checkpoint(t
 def test_ci_installs_the_cpu_torch_wheel():
     env = load(FILES["ci"])["env"]
     assert "+cpu" in env["TORCH_SPEC"]
-    assert env["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert env["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"  # for torch alone: no global extra index
+    assert not any("PIP_EXTRA_INDEX_URL" in path.read_text() for path in FILES.values())
     assert all(job["runs-on"] == "ubuntu-latest" for job in load(FILES["ci"])["jobs"].values())
 
 
@@ -530,3 +531,38 @@ def test_job_summary_renders_records_and_plain_objects(tmp_path):
 
     r = script("job_summary.py", tmp_path / "missing.json", "--out", summary)
     assert r.returncode == 0 and "was not written" in summary.read_text()
+
+
+@pytest.mark.parametrize(
+    ("env", "venv", "torch_args"),
+    [
+        ({}, {}, ("torch==2.13.0",)),
+        ({"TORCH_SPEC": "torch==2.13.0+cpu", "TORCH_INDEX": "https://download.pytorch.org/whl/cpu"}, {},
+         ("--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu")),
+        ({"TORCH_SPEC": "preinstalled"}, {"venv_params": ["--system-site-packages"]}, None),
+    ],
+)  # fmt: skip
+def test_nox_installs_torch_alone_from_its_index_or_takes_the_preinstalled_one(monkeypatch, env, venv, torch_args):
+    """TORCH_INDEX serves torch alone (no global extra index); TORCH_SPEC=preinstalled makes the session venvs see
+    the runner's own torch and install nothing for it."""
+    from script_module import load_module
+
+    for name in ("TORCH_SPEC", "TORCH_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    nox_file = load_module("noxfile_torch_modes", ROOT / "noxfile.py")
+    assert nox_file.VENV == venv
+    installed, ran = [], []
+
+    class Session:
+        def run(self, *args, **kw):
+            ran.append(args)
+
+    monkeypatch.setattr(nox_file, "install_once", lambda session, *req: installed.append(req))
+    nox_file.install(Session(), "test")
+    assert installed[-1] == ("-e", ".[test]")
+    if torch_args is None:
+        assert len(installed) == 1 and "import torch" in ran[0][-1]
+    else:
+        assert installed[0] == torch_args and not ran

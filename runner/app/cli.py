@@ -19,6 +19,7 @@ from runner.app.inspect_bundle import add_arguments as add_inspect  # the flags 
 from runner.app.options import Environment, add_runtime_defaults, runtime_options
 from runner.app.os_errors import reason
 from runner.app.run_args import add_arguments as add_run  # the flags only, no torch
+from runner.app.serve_args import add_arguments as add_serve  # the flags only, no starlette or torch
 from runner.app.stream import add_arguments as add_stream  # the flags only, no torch
 from runner.errors import Cancellation, RunnerError, Terminated
 
@@ -127,6 +128,7 @@ def build_parser(prog: str = "python -m runner") -> argparse.ArgumentParser:
         "bench": (add_bench, _verb("runner.app.bench.verb"), "time a bundle beside the eager model"),
         "fetch": (add_fetch, _verb("runner.app.fetch"), "download a bundle artifact from a GitHub Actions run"),
         "stream": (add_stream, _verb("runner.app.stream"), "transcribe audio as it arrives (voxtral-realtime bundles)"),
+        "serve": (add_serve, _verb("runner.app.serve"), "answer OpenAI-style transcription requests over HTTP"),
     }
     for name, (add, fn, help_) in verbs.items():
         sp = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt, parents=[common])

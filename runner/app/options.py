@@ -8,6 +8,8 @@ into option values that everything below takes as arguments.
     VOXTRAL_RUNNER_REHASH=1         hash every bundle file again, ignoring remembered digests (as --rehash)
     DEBUG=1                         export: AOTI debug compile, generated sources kept in OUT/debug (as --debug-compile)
     GITHUB_TOKEN / GH_TOKEN         fetch: the token (never printed, never sent to the storage host)
+    VOXTRAL_RUNNER_API_KEY          serve: the key clients give as `Authorization: Bearer KEY` (as --api-key;
+                                    never printed)
     GITHUB_API_URL                  fetch: the API (GitHub Enterprise)
     GITHUB_SHA, GITHUB_ACTIONS,     bench: the commit measured, whether it ran in Actions, and the job summary
     GITHUB_STEP_SUMMARY             its table is appended to
@@ -37,6 +39,7 @@ class Environment:
     github_sha: str | None = None
     github_actions: bool = False
     step_summary: Path | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret, as github_token
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
@@ -55,6 +58,7 @@ class Environment:
             github_sha=env.get("GITHUB_SHA") or None,
             github_actions=bool(env.get("GITHUB_ACTIONS")),
             step_summary=Path(env["GITHUB_STEP_SUMMARY"]) if env.get("GITHUB_STEP_SUMMARY") else None,
+            api_key=env.get("VOXTRAL_RUNNER_API_KEY", "").strip() or None,
         )
 
 

@@ -20,7 +20,7 @@ from runner.errors import BundleError
 REPO = Path(__file__).resolve().parents[2]
 AUDIO = REPO / "fixtures" / "audio"
 GOLDEN = REPO / "fixtures" / "golden" / "tiny.json"
-VERBS = ("export", "run", "inspect", "bench", "fetch", "stream")
+VERBS = ("export", "run", "inspect", "bench", "fetch", "stream", "serve")
 # the help's width follows COLUMNS; a fixed one keeps "(default: N)" on one line whatever the terminal
 ENV = {**os.environ, "COLUMNS": "200"}
 

@@ -1,0 +1,556 @@
+"""`python -m runner serve`: one loaded bundle answering OpenAI-style transcription requests over HTTP.
+
+    GET  /health                    {"status": "ok"} (no key needed)
+    GET  /v1/models                 the one model: the bundle's name
+    POST /v1/audio/transcriptions   multipart `file`, `model`, `language`, `prompt`, `temperature`,
+                                    `response_format` (json|text|srt|vtt|verbose_json), `timestamp_granularities[]`
+    GET  /metrics                   Prometheus text
+
+One engine thread owns the Model (its KV cache is shared state): requests wait in a bounded queue, and the engine
+takes all that wait (up to --max-batch) and decodes them together through `transcribe_many`. The event loop only
+reads uploads and answers; each request's future is settled from the engine thread with call_soon_threadsafe."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import queue
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+try:
+    import uvicorn
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from starlette.applications import Starlette
+    from starlette.datastructures import FormData, UploadFile
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Route
+except ImportError as e:  # the verb says which extra brings them
+    raise ImportError(f"{e}: install the serve extra (pip install 'voxtral-aoti-runner[serve]')") from e
+
+from runner.app import writers
+from runner.app.os_errors import reason
+from runner.app.serve_args import ServeOptions
+from runner.errors import AudioError, RunnerError
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+GRANULARITIES = ("segment", "word")
+RETRY_AFTER_S = 1
+MAX_FIELDS = 32  # model, language, prompt, temperature, response_format, granularities: a few, never thousands
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+# ---------------------------------------------------------------- errors, as OpenAI gives them
+
+
+class ApiError(Exception):
+    """An answer other than 200: OpenAI's error object `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- the engine thread
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a request asks of the model; requests that ask the same decode in one batch."""
+
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    word_timestamps: bool = False
+
+
+@dataclass(frozen=True)
+class Job:
+    audio: bytes
+    options: Options
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+_STOP = object()
+
+
+class Engine:
+    """The one thread that calls the Model. `submit` never blocks: queue.Full when --max-queue requests already wait."""
+
+    def __init__(self, model, max_batch: int, max_queue: int, max_new_tokens: int | None, metrics: Metrics):
+        self.model, self.max_batch, self.max_new_tokens, self.metrics = model, max_batch, max_new_tokens, metrics
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, name="runner-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._queue.put_nowait(job)
+
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Finish what is queued, then end the thread."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _work(self) -> None:
+        while (jobs := self._take()) is not None:
+            groups: dict[Options, list[Job]] = {}
+            for job in jobs:
+                if not job.future.cancelled():  # its client is gone: nobody to answer
+                    groups.setdefault(job.options, []).append(job)
+            for group in groups.values():
+                self._batch(group)
+
+    def _take(self) -> list[Job] | None:
+        """Everything waiting, up to max_batch (at least one: this blocks); None once stopped."""
+        if self._stopping:
+            return None
+        jobs = []
+        item = self._queue.get()
+        while item is not _STOP:
+            jobs.append(item)
+            if len(jobs) == self.max_batch:
+                return jobs
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return jobs
+        self._stopping = True
+        return jobs or None
+
+    def _batch(self, jobs: list[Job]) -> None:
+        """The jobs decoded together; after an error (which ends transcribe_many), the rest one by one, so each
+        gets its own answer."""
+        self.metrics.batch.observe(len(jobs))
+        kwargs = dict(asdict(jobs[0].options), max_new_tokens=self.max_new_tokens)
+        done: set[int] = set()
+        try:
+            for t in self.model.transcribe_many(
+                [j.audio for j in jobs], batch=min(len(jobs), self.max_batch), **kwargs
+            ):
+                done.add(t.index)
+                self._settle(jobs[t.index], t, None)
+        except Exception:
+            for i, job in enumerate(jobs):
+                if i not in done:
+                    self._alone(job, kwargs)
+
+    def _alone(self, job: Job, kwargs: dict) -> None:
+        try:
+            t = self.model.transcribe(job.audio, **kwargs)
+        except Exception as e:
+            self._settle(job, None, e)
+        else:
+            self._settle(job, t, None)
+
+    def _settle(self, job: Job, result, error: Exception | None) -> None:
+        if result is not None:
+            self.metrics.tokens.inc(len(result.tokens))
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone, nobody waits
+            job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
+
+
+def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():  # cancelled: the client went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (two servers in one process do not mix)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "runner_requests", "HTTP requests answered, by route and status", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "runner_request_seconds",
+            "time to answer a request, by route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter("runner_generated_tokens", "tokens generated", registry=r)
+        self.queue = Gauge("runner_queue_depth", "requests waiting for the engine", registry=r)
+        self.batch = Histogram(
+            "runner_batch_occupancy",
+            "requests decoded together in one engine batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------- the HTTP side
+
+
+class Service:
+    """The routes over one loaded Model and its engine thread; `app` is the ASGI application, `close()` stops
+    the engine (what is queued finishes first). The model stays the caller's to close."""
+
+    def __init__(self, model, options: ServeOptions):
+        self.model, self.options = model, options
+        self.max_batch = _max_batch(model, options.max_batch)
+        self.metrics = Metrics()
+        self.engine = Engine(model, self.max_batch, options.max_queue, options.max_new_tokens, self.metrics)
+        self.metrics.queue.set_function(self.engine.depth)
+        self.created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                self._route("/health", self._health, auth=False),
+                self._route("/v1/models", self._models),
+                self._route("/v1/audio/transcriptions", self._transcriptions, methods=["POST"]),
+                self._route("/metrics", self._metrics),
+            ]
+        )
+        self.engine.start()
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    def _route(self, path: str, handler: Callable, methods=("GET",), auth: bool = True) -> Route:
+        """The route with the key check, OpenAI-style errors and its metrics around the handler."""
+
+        async def endpoint(request: Request) -> Response:
+            t0 = time.perf_counter()
+            try:
+                if auth:
+                    self._authorize(request)
+                response = await handler(request)
+            except ApiError as e:
+                response = e.response()
+            except ClientDisconnect:  # nobody reads this answer; counted as nginx counts it
+                response = Response(status_code=499)
+            except Exception:
+                log.exception("%s failed", path)
+                response = ApiError(500, "the server failed on this request", kind="server_error").response()
+            self.metrics.requests.labels(path, str(response.status_code)).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - t0)
+            return response
+
+        return Route(path, endpoint, methods=list(methods))
+
+    def _authorize(self, request: Request) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(
+                401,
+                "Incorrect API key provided: give the server's key as `Authorization: Bearer KEY`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    async def _health(self, request: Request) -> Response:
+        if not self.engine.alive:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def _models(self, request: Request) -> Response:
+        model = {"id": self.model.name, "object": "model", "created": self.created, "owned_by": "voxtral-runner"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _transcriptions(self, request: Request) -> Response:
+        form = await self._form(request)
+        try:
+            fmt, options = self._fields(form)
+            audio = await _upload(form)
+        finally:
+            await form.close()
+        t = await self._submit(audio, options)
+        return render(t, fmt, options)
+
+    async def _form(self, request: Request) -> FormData:
+        """The multipart form, the body bounded by --max-upload-mb: refused by its Content-Length before any of it
+        is read, else as soon as more arrives."""
+        limit = self.options.max_upload_bytes
+        too_large = ApiError(
+            413,
+            f"the request body is larger than the server's limit of {limit:,} bytes (--max-upload-mb)",
+            param="file",
+            code="file_too_large",
+        )
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        try:
+            return await Request(request.scope, _limited(request.receive, limit)).form(
+                max_files=1, max_fields=MAX_FIELDS
+            )
+        except _TooLarge:
+            raise too_large from None
+        except HTTPException as e:  # starlette's: a malformed multipart body
+            raise ApiError(400, f"the form: {e.detail}") from None
+
+    def _fields(self, form: FormData) -> tuple[str, Options]:
+        """The response format and the model's options from the form, each checked; defaults as `run`'s."""
+        model = _text(form, "model")
+        if model is not None and model != self.model.name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist: this server has `{self.model.name}`",
+                param="model",
+                code="model_not_found",
+            )
+        fmt = _text(form, "response_format") or "json"
+        if fmt not in FORMATS:
+            raise ApiError(400, f"response_format {fmt!r}: one of {', '.join(FORMATS)}", param="response_format")
+        options = Options(_text(form, "language"), _text(form, "prompt"), _temperature(form), self._words(form))
+        return fmt, options
+
+    def _words(self, form: FormData) -> bool:
+        param = "timestamp_granularities[]"
+        asked = [v for name in (param, "timestamp_granularities") for v in form.getlist(name)]
+        for value in asked:
+            if value not in GRANULARITIES:
+                raise ApiError(400, f"{param} {value!r}: segment or word", param=param)
+        words = "word" in asked
+        if words and not self.model.capabilities.word_timestamps:
+            raise ApiError(
+                400,
+                f"{param} word: a {self.model.family} model gives no word times (its segments are its windows)",
+                param=param,
+            )
+        return words
+
+    async def _submit(self, audio: bytes, options: Options):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        try:
+            self.engine.submit(Job(audio, options, loop, future))
+        except queue.Full:
+            raise ApiError(
+                429,
+                f"the server is busy ({self.options.max_queue} requests waiting): try again",
+                code="queue_full",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        try:
+            return await future
+        except AudioError as e:
+            raise ApiError(400, str(e), param="file", code="invalid_audio") from None
+        except RunnerError as e:
+            raise ApiError(400, str(e)) from None
+
+
+def _max_batch(model, asked: int | None) -> int:
+    if asked is None:
+        return model.max_batch
+    if asked > model.max_batch:
+        raise RunnerError(
+            f"--max-batch {asked}: {model.name} decodes at most {model.max_batch} at once; export it with "
+            f"--max-batch {asked} (or more), or serve with a smaller --max-batch"
+        )
+    return asked
+
+
+def _limited(receive: Callable, limit: int) -> Callable:
+    """The ASGI receive, raising _TooLarge once the body passes `limit` bytes."""
+    seen = 0
+
+    async def limited() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _TooLarge()
+        return message
+
+    return limited
+
+
+def _text(form: FormData, name: str) -> str | None:
+    value = form.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name}: a text field, not a file", param=name)
+    return value or None
+
+
+def _temperature(form: FormData) -> float:
+    text = _text(form, "temperature")
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ApiError(400, f"temperature {text!r}: a finite number, 0 or more (0: greedy)", param="temperature")
+    return value
+
+
+async def _upload(form: FormData) -> bytes:
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise ApiError(400, "file: required (the audio file, as multipart form-data)", param="file")
+    data = await upload.read()
+    if not data:
+        raise ApiError(400, f"file {upload.filename or ''!r}: empty", param="file", code="invalid_audio")
+    return data
+
+
+# ---------------------------------------------------------------- the answers
+
+
+def render(t, fmt: str, options: Options) -> Response:
+    if fmt == "json":
+        return JSONResponse({"text": t.text})
+    if fmt == "text":
+        return PlainTextResponse(t.text)
+    if fmt == "verbose_json":
+        return JSONResponse(verbose(t, options))
+    document = writers.transcript(t.text, [s.to_dict() for s in t.segments], t.language)
+    return PlainTextResponse(writers.RENDER[fmt](document), media_type="text/vtt" if fmt == "vtt" else None)
+
+
+def verbose(t, options: Options) -> dict:
+    """OpenAI's verbose_json (openai-whisper's transcribe result): times in seconds, `seek` in 10 ms frames."""
+    segments = [
+        {
+            "id": i,
+            "seek": round(s.start * 100),
+            "start": s.start,
+            "end": s.end,
+            "text": s.text,
+            "tokens": list(s.tokens),
+            "temperature": options.temperature if s.temperature is None else s.temperature,
+            "avg_logprob": s.avg_logprob,
+            "compression_ratio": compression_ratio(s.text),
+            "no_speech_prob": s.no_speech_prob,
+        }
+        for i, s in enumerate(t.segments)
+    ]
+    body = {
+        "task": "transcribe",
+        "language": t.language,
+        "duration": t.stats.get("audio_seconds"),
+        "text": t.text,
+        "segments": segments,
+    }
+    if options.word_timestamps:
+        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for s in t.segments for w in s.words or ()]
+    return body
+
+
+def compression_ratio(text: str) -> float:
+    """openai-whisper's: how much zlib shrinks the text (a repeating loop shrinks a lot)."""
+    data = text.encode()
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+# ---------------------------------------------------------------- the verb
+
+
+def main(args) -> int:
+    from runner.app.api import Model  # torch
+
+    options = ServeOptions.from_args(args)
+    sock = _listen(options.host, options.port)  # a port in use fails before the model loads
+    with contextlib.closing(sock), Model(args.bundle, args.runtime) as model, _private_tempdir():
+        service = Service(model, options)
+        try:
+            return _serve(service, sock, args.verbose)
+        finally:
+            service.close()
+
+
+def _serve(service: Service, sock: socket.socket, verbose: int) -> int:
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        service.app,
+        log_level="info" if verbose else "warning",
+        lifespan="off",
+        access_log=verbose > 1,
+        timeout_graceful_shutdown=None,
+    )
+    server = uvicorn.Server(config)
+    key = "a key (Authorization: Bearer)" if service.options.api_key else "no key"
+    print(f"serving {service.model.name} on http://{host}:{port} ({key}); Ctrl-C or SIGTERM stops", file=sys.stderr)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # the signal uvicorn took, raised again after its graceful shutdown
+        pass
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog from here, while the model loads
+    except OSError as e:
+        sock.close()
+        raise RunnerError(f"--host {host} --port {port}: cannot listen there ({reason(e)})") from None
+    return sock
+
+
+@contextlib.contextmanager
+def _private_tempdir() -> Iterator[str]:
+    """Every temporary file of a request (an upload spooled to disk, the audio the model reads) in a folder only
+    this user reads, removed when the server stops."""
+    path = tempfile.mkdtemp(prefix="runner-serve-")
+    previous, tempfile.tempdir = tempfile.tempdir, path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,431 @@
+"""`python -m runner serve` (runner/app/serve.py): a live server on loopback, spoken to by real clients (the
+`openai` package, httpx, a raw socket), each answer checked against the CLI's own record of the same audio."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from conftest import AUDIO
+
+import runner
+from runner.app import writers
+from runner.app.cli import build_parser, main
+from runner.app.options import Environment
+from runner.app.serve import Service, _listen
+from runner.app.serve_args import ServeOptions
+
+NEW = 12  # tokens per answer: enough to tell files apart, quick on the tiny model
+KEY = "sk-test-7f3a"
+ROOT = Path(__file__).resolve().parents[2]
+SPEECH = AUDIO / "speech.wav"
+SHORT = AUDIO / "short.wav"
+
+
+class Live:
+    def __init__(self, url: str, service: Service):
+        self.url, self.service = url, service
+
+    def openai(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=key, max_retries=0, http_client=httpx.Client(trust_env=False)
+        )
+
+    def post(self, data: bytes, name: str = "a.wav", key: str | None = None, **fields) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.Client(trust_env=False, timeout=120) as c:
+            return c.post(
+                f"{self.url}/v1/audio/transcriptions", files={"file": (name, data)}, data=fields, headers=headers
+            )
+
+
+@contextlib.contextmanager
+def serving(model, **options):
+    """A Service on a free loopback port, uvicorn in a thread, as `serve` runs it in the main thread."""
+    service = Service(model, ServeOptions(port=0, max_new_tokens=NEW, **options))
+    sock = _listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(service.app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", service)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        service.close()
+        sock.close()
+
+
+def run_record(bundle: Path, audio: Path) -> dict:
+    """`python -m runner run --json`'s record of one file."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert (
+            main(["run", "--bundle", str(bundle), "--audio", str(audio), "--json", "--max-new-tokens", str(NEW)]) == 0
+        )
+    (line,) = out.getvalue().splitlines()
+    return json.loads(line)
+
+
+@pytest.fixture(scope="module")
+def records(tiny_bundle) -> dict:
+    return {p.name: run_record(tiny_bundle, p) for p in (SPEECH, SHORT)}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_bundle):
+    with runner.load(tiny_bundle) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def live(model):
+    with serving(model) as s:
+        yield s
+
+
+def openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "runner-audio-" not in error["message"] and "Traceback" not in error["message"]
+    return error
+
+
+# ---------------------------------------------------------------- the OpenAI client: every format
+
+
+def test_every_response_format_says_what_run_json_says(live, records):
+    client, record = live.openai(), records["speech.wav"]
+    document = writers.transcript(record["text"], record["segments"], None)
+
+    def create(fmt: str):
+        with open(SPEECH, "rb") as f:
+            return client.audio.transcriptions.create(model=live.service.model.name, file=f, response_format=fmt)
+
+    assert record["text"] and create("json").text == record["text"]
+    assert create("text") == record["text"]
+    assert create("srt") == writers.srt(document) and create("vtt") == writers.vtt(document)
+    v = create("verbose_json")
+    assert v.text == record["text"] and v.task == "transcribe" and v.duration == record["stats"]["audio_seconds"]
+    got = [(s.start, s.end, s.text, s.tokens) for s in v.segments]
+    assert got == [(s["start"], s["end"], s["text"], s["tokens"]) for s in record["segments"]]
+    assert [s.id for s in v.segments] == list(range(len(got))) and all(s.temperature == 0.0 for s in v.segments)
+
+
+def test_models_lists_the_bundle(live, tiny_bundle):
+    (m,) = live.openai().models.list().data
+    assert m.id == tiny_bundle.name == live.service.model.name and m.object == "model"
+
+
+def test_health_and_metrics(live):
+    with httpx.Client(trust_env=False) as c:
+        assert c.get(f"{live.url}/health").json() == {"status": "ok"}
+        text = c.get(f"{live.url}/metrics").text
+    for name in (
+        "runner_requests_total",
+        "runner_request_seconds_bucket",
+        "runner_generated_tokens_total",
+        "runner_queue_depth",
+        "runner_batch_occupancy_bucket",
+    ):
+        assert name in text, name
+    assert 'runner_requests_total{route="/health",status="200"}' in text
+
+
+# ---------------------------------------------------------------- one program, many clients
+
+
+def test_32_concurrent_requests_each_get_their_own_text(live, records):
+    want, data = records["short.wav"]["text"], SHORT.read_bytes()
+
+    def one(_) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        r = live.post(data)
+        assert r.status_code == 200, r.text
+        return r.json()["text"], time.perf_counter() - t0
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(one, range(32)))
+    assert [text for text, _ in answers] == [want] * 32
+    latency = sorted(s for _, s in answers)
+    print(f"32 concurrent: p50 {latency[15]:.3f} s, p99 {latency[-1]:.3f} s")
+
+
+def gate(model, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """The model's engine calls wait for `release` (set by the test) once `entered` says one began."""
+    entered, release = threading.Event(), threading.Event()
+    real = model.transcribe_many
+
+    def blocked(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "transcribe_many", blocked)
+    return entered, release
+
+
+def wait_queued(live: Live, n: int, pending: list) -> None:
+    while live.service.engine.depth() < n:
+        assert not any(f.done() for f in pending), [f.result().text for f in pending if f.done()]
+        time.sleep(0.005)
+
+
+def test_queued_requests_decode_together_and_a_bad_one_fails_alone(tiny_batch_bundle, monkeypatch):
+    speech, short = SPEECH.read_bytes(), SHORT.read_bytes()
+    with runner.load(tiny_batch_bundle) as model:
+        want = {d: model.transcribe(d, max_new_tokens=NEW).text for d in (speech, short)}
+        entered, release = gate(model, monkeypatch)
+        with serving(model) as live, ThreadPoolExecutor(5) as pool:
+            first = pool.submit(live.post, speech)
+            assert entered.wait(60)
+            queued = [pool.submit(live.post, d) for d in (short, b"not audio" * 50, speech, short)]
+            wait_queued(live, 4, queued)
+            release.set()
+            answers = [f.result() for f in (first, *queued)]
+            with httpx.Client(trust_env=False) as c:
+                metrics = c.get(f"{live.url}/metrics").text
+    assert [r.json()["text"] for i, r in enumerate(answers) if i != 2] == [
+        want[d] for d in (speech, short, speech, short)
+    ]
+    assert openai_error(answers[2], 400)["param"] == "file"
+    assert "runner_batch_occupancy_count 2.0" in metrics and "runner_batch_occupancy_sum 5.0" in metrics
+
+
+def test_a_full_queue_answers_429_and_the_rest_finish(model, monkeypatch, records):
+    entered, release = gate(model, monkeypatch)
+    data = SHORT.read_bytes()
+    with serving(model, max_queue=1) as live, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(live.post, data)
+        assert entered.wait(60)  # the engine holds the first
+        second = pool.submit(live.post, data)
+        wait_queued(live, 1, [second])  # the second waits in the queue
+        busy = live.post(data)
+        release.set()
+        answers = [first.result(), second.result()]
+    assert openai_error(busy, 429)["type"] == "rate_limit_error" and busy.headers["Retry-After"] == "1"
+    assert [r.json()["text"] for r in answers] == [records["short.wav"]["text"]] * 2
+
+
+def test_serve_help_imports_no_server_torch_or_numpy():
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['runner', 'serve', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('runner', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'starlette', 'uvicorn', 'prometheus_client') if m in sys.modules))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------- bad requests
+
+
+def test_bad_uploads_are_openai_errors(live):
+    assert openai_error(live.post(b""), 400)["param"] == "file"
+    assert openai_error(live.post(b"not audio at all" * 40, name="x.wav"), 400)["param"] == "file"
+    assert openai_error(live.post(SHORT.read_bytes(), response_format="docx"), 400)["param"] == "response_format"
+    assert openai_error(live.post(SHORT.read_bytes(), temperature="hot"), 400)["param"] == "temperature"
+    with httpx.Client(trust_env=False) as c:
+        no_file = c.post(f"{live.url}/v1/audio/transcriptions", data={"model": live.service.model.name})
+    assert openai_error(no_file, 400)["param"] == "file"
+
+
+def test_unknown_model_and_word_times_on_voxtral_through_the_client(live):
+    client = live.openai()
+    with open(SHORT, "rb") as f, pytest.raises(openai.NotFoundError) as e:
+        client.audio.transcriptions.create(model="whisper-1", file=f)
+    assert e.value.body["code"] == "model_not_found"
+    with open(SHORT, "rb") as f, pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(
+            model=live.service.model.name, file=f, response_format="verbose_json", timestamp_granularities=["word"]
+        )
+    assert "word" in e.value.body["message"]
+
+
+def test_the_key_guards_every_route_but_health(model, records):
+    with serving(model, api_key=KEY) as live:
+        with open(SHORT, "rb") as f, pytest.raises(openai.AuthenticationError):
+            live.openai("sk-wrong").audio.transcriptions.create(model=model.name, file=f)
+        with pytest.raises(openai.AuthenticationError):
+            live.openai("sk-wrong").models.list()
+        openai_error(live.post(SHORT.read_bytes()), 401)  # no key at all
+        with httpx.Client(trust_env=False) as c:
+            assert c.get(f"{live.url}/health").status_code == 200
+            assert c.get(f"{live.url}/metrics").status_code == 401
+            assert c.get(f"{live.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        with open(SHORT, "rb") as f:
+            assert (
+                live.openai(KEY).audio.transcriptions.create(model=model.name, file=f).text
+                == records["short.wav"]["text"]
+            )
+
+
+def test_oversize_uploads_are_refused_with_or_without_a_length(model):
+    body = SPEECH.read_bytes()
+    with serving(model, max_upload_bytes=len(body) // 2) as live:
+        assert openai_error(live.post(body), 413)["param"] == "file"  # by its Content-Length
+        boundary = "b0undary"
+        form = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'.encode()
+            + body
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
+        with httpx.Client(trust_env=False) as c:  # chunked: no length, refused as it arrives
+            r = c.post(
+                f"{live.url}/v1/audio/transcriptions",
+                content=iter([form[i : i + 4096] for i in range(0, len(form), 4096)]),
+                headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+            )
+        openai_error(r, 413)
+        assert live.post(SHORT.read_bytes()).status_code == 200
+
+
+def test_a_client_gone_mid_upload_stalls_nobody(live, records):
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(
+            b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+            b"Content-Type: multipart/form-data; boundary=zz\r\n\r\n--zz\r\nContent-Disposition: form-data; "
+            b'name="file"; filename="a.wav"\r\n\r\n' + SHORT.read_bytes()[:2000]
+        )
+    assert live.post(SHORT.read_bytes()).json()["text"] == records["short.wav"]["text"]
+
+
+# ---------------------------------------------------------------- the verb
+
+
+def test_serve_binds_loopback_by_default_and_reads_the_key_from_the_environment():
+    args = build_parser().parse_args(["serve", "--bundle", "b"])
+    assert (args.host, args.port, args.max_queue, args.max_upload_mb, args.api_key) == (
+        "127.0.0.1",
+        8000,
+        64,
+        200,
+        None,
+    )
+    args.env = Environment.read({"VOXTRAL_RUNNER_API_KEY": KEY})
+    options = ServeOptions.from_args(args)
+    assert options.api_key == KEY and KEY not in repr(options) and KEY not in repr(args.env)
+    args.api_key = "flag"
+    assert ServeOptions.from_args(args).api_key == "flag"
+
+
+def test_a_batch_the_bundle_cannot_decode_is_one_error_line(tiny_bundle, capsys):
+    assert main(["serve", "--bundle", str(tiny_bundle), "--port", "0", "--max-batch", "4"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --max-batch 4:"), err
+
+
+def test_sigterm_drains_the_request_in_flight_and_exits_0(tiny_bundle, tmp_path, records):
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
+    env.update(TMPDIR=str(tmp_path), VOXTRAL_RUNNER_API_KEY=KEY)
+    cmd = [
+        sys.executable,
+        "-m",
+        "runner",
+        "serve",
+        "--bundle",
+        str(tiny_bundle),
+        "--port",
+        "0",
+        "--max-new-tokens",
+        str(NEW),
+    ]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))
+        body = SHORT.read_bytes()
+        head = b'--zz\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+        tail = b"\r\n--zz--\r\n"
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            # 100-continue: the server answers it once the handler reads the body, so the request is in flight
+            s.sendall(
+                f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: multipart/form-data; boundary=zz\r\nExpect: 100-continue\r\nContent-Length: "
+                f"{len(head) + len(body) + len(tail)}\r\n\r\n".encode()
+            )
+            assert _read_head(s).startswith(b"HTTP/1.1 100")
+            p.send_signal(signal.SIGTERM)
+            while _accepts(port):  # the server stopped listening: it is shutting down
+                time.sleep(0.01)
+            s.sendall(head + body + tail)
+            answer = _read_response(s)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert answer.startswith(b"HTTP/1.1 200") and json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+        "text": records["short.wav"]["text"]
+    }
+    rest = p.stderr.read()
+    assert KEY not in line + rest and "Traceback" not in rest and "error" not in rest.lower()
+    assert list(tmp_path.iterdir()) == []  # the private temporary folder is gone
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _read_head(s: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\r\n\r\n"):
+        chunk = s.recv(1)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def _read_response(s: socket.socket) -> bytes:
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"content-length: (\d+)", head, re.I)
+        if length and len(body) >= int(length.group(1)):
+            break
+    return data
+
+
+# ---------------------------------------------------------------- the README's example
+
+
+def test_the_readme_server_example_runs_as_written(live, records):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Server") :]
+    assert "python -m runner serve --bundle artifacts/voxtral-tiny" in section
+    code = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python\n") + 10)]
+    assert len(code.splitlines()) == 4 and "http://127.0.0.1:8000/v1" in code and '"voxtral-tiny"' in code
+    code = code.replace("http://127.0.0.1:8000", live.url).replace('"voxtral-tiny"', repr(live.service.model.name))
+    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper() and not k.startswith("OPENAI_")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == records["speech.wav"]["text"].strip()

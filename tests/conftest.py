@@ -25,7 +25,7 @@ from runner.runtime.generate import MultimodalRunner
 # and every CLI it starts, begins without them; a test about one of them sets it itself.
 CI_AND_TERMINAL_VARIABLES = (
     "FORCE_COLOR", "NO_COLOR", "CLICOLOR_FORCE", "COLUMNS", "CI", "GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY",
-    "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_SHA", "GITHUB_TOKEN", "GH_TOKEN", "GITHUB_API_URL",
+    "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_SHA", "GITHUB_TOKEN", "GH_TOKEN", "GITHUB_API_URL", "VOXTRAL_RUNNER_API_KEY",
 )  # fmt: skip
 for _name in CI_AND_TERMINAL_VARIABLES:
     os.environ.pop(_name, None)

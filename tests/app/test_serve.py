@@ -423,7 +423,11 @@ def test_the_readme_server_example_runs_as_written(live, records):
     section = readme[readme.index("## Server") :]
     assert "python -m runner serve --bundle artifacts/voxtral-tiny" in section
     code = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python\n") + 10)]
-    assert len([line for line in code.splitlines() if line.strip()]) == 4 and "http://127.0.0.1:8000/v1" in code and '"voxtral-tiny"' in code
+    assert (
+        len([line for line in code.splitlines() if line.strip()]) == 4
+        and "http://127.0.0.1:8000/v1" in code
+        and '"voxtral-tiny"' in code
+    )
     code = code.replace("http://127.0.0.1:8000", live.url).replace('"voxtral-tiny"', repr(live.service.model.name))
     env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper() and not k.startswith("OPENAI_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)

@@ -496,3 +496,20 @@ def test_transformers_copy_reads_the_weights_on_the_host_where_the_gpu_cannot_ho
     for free, want in ((2 * size + HF_HEADROOM, "cuda"), (2 * size + HF_HEADROOM - 1, "cpu")):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda free=free: (free, 80 * 2**30))
         assert weights_device(manifest, "cuda") == want
+
+
+def test_a_peer_failing_after_a_stop_was_asked_for_ends_the_bench_as_a_stop(tiny_bundle, tmp_path, monkeypatch, capsys):
+    """SIGTERM while a peer runs: torch's cleanup may replace the Terminated it raised with its own error. Once a
+    stop was asked for, that error is the stop (exit 143, nothing written), not a failed peer to report."""
+    from runner.app.bench import verb
+    from runner.errors import Cancellation
+
+    def peer_dies(*args, **kwargs):
+        monkeypatch.setattr(Cancellation, "requested", property(lambda self: True))  # the signal arrived
+        raise RuntimeError("Trying to pop empty mode stack")
+
+    monkeypatch.setattr(verb, "bench_eager", peer_dies)
+    out = tmp_path / "out.json"
+    argv = ["bench", "--bundle", str(tiny_bundle), "--runs", "1", "--warmup", "0", "--compare", "eager"]
+    assert main([*argv, "--json", str(out)]) == 143
+    assert not out.exists() and "eager failed" not in capsys.readouterr().err

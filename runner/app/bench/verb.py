@@ -222,6 +222,8 @@ def measure(args: argparse.Namespace, peers: list[str]) -> BenchRun:
             else:
                 results.append(bench_hf(peer, args.bundle, manifest, plan, tok, clock, vocab, prompt_ids, tokens))
         except Exception as e:  # a peer that cannot run is a result to report, not a reason to lose ours
+            if args.cancel.requested:  # unless a stop was asked for: whatever torch raised on the way out is that
+                raise
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:500]
             _say(f"{peer} failed: {msg}")
             results.append(BackendResult(peer, error=msg))

@@ -5,6 +5,8 @@
     POST /v1/audio/transcriptions   multipart `file`, `model`, `language`, `prompt`, `temperature`,
                                     `response_format` (json|text|srt|vtt|verbose_json), `timestamp_granularities[]`
     GET  /metrics                   Prometheus text
+    WS   /v1/realtime               a realtime bundle's streams, as OpenAI's Realtime transcription events
+                                    (runner/app/serve_realtime.py)
 
 One engine thread owns the Model (its KV cache is shared state): requests wait in a bounded queue, and the engine
 takes all that wait (up to --max-batch) and decodes them together through `transcribe_many`. The event loop only
@@ -34,15 +36,17 @@ try:
     from starlette.applications import Starlette
     from starlette.datastructures import FormData, UploadFile
     from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect, Request
+    from starlette.requests import ClientDisconnect, HTTPConnection, Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response
-    from starlette.routing import Route
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.websockets import WebSocket
 except ImportError as e:  # the verb says which extra brings them
     raise ImportError(f"{e}: install the serve extra (pip install 'voxtral-aoti-runner[serve]')") from e
 
 from runner.app import writers
 from runner.app.os_errors import reason
 from runner.app.serve_args import ServeOptions
+from runner.app.serve_realtime import Realtime
 from runner.errors import AudioError, RunnerError
 
 log = logging.getLogger(__name__)
@@ -245,18 +249,21 @@ class Service:
         self.engine = Engine(model, self.max_batch, options.max_queue, options.max_new_tokens, self.metrics)
         self.metrics.queue.set_function(self.engine.depth)
         self.created = int(time.time())
+        self.realtime = Realtime(model, options.max_queue)
         self.app = Starlette(
             routes=[
                 self._route("/health", self._health, auth=False),
                 self._route("/v1/models", self._models),
                 self._route("/v1/audio/transcriptions", self._transcriptions, methods=["POST"]),
                 self._route("/metrics", self._metrics),
+                WebSocketRoute("/v1/realtime", self._realtime),
             ]
         )
         self.engine.start()
 
     def close(self) -> None:
         self.engine.stop()
+        self.realtime.close()
 
     def _route(self, path: str, handler: Callable, methods=("GET",), auth: bool = True) -> Route:
         """The route with the key check, OpenAI-style errors and its metrics around the handler."""
@@ -280,7 +287,7 @@ class Service:
 
         return Route(path, endpoint, methods=list(methods))
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: HTTPConnection) -> None:
         key = self.options.api_key
         if key is None:
             return
@@ -292,6 +299,23 @@ class Service:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+
+    async def _realtime(self, websocket: WebSocket) -> None:
+        """Refused before the handshake completes (an HTTP answer with OpenAI's error) without the key, or on a
+        bundle that does not stream."""
+        try:
+            self._authorize(websocket)
+            if not self.model.capabilities.streaming:
+                raise ApiError(
+                    404,
+                    f"/v1/realtime: `{self.model.name}` is a {self.model.family} bundle, which transcribes whole "
+                    "files (POST /v1/audio/transcriptions); serve a realtime bundle to stream",
+                    code="model_not_found",
+                )
+        except ApiError as e:
+            await _deny(websocket, e)
+            return
+        await self.realtime.serve(websocket)
 
     async def _health(self, request: Request) -> Response:
         if not self.engine.alive:
@@ -387,6 +411,15 @@ class Service:
             raise ApiError(400, str(e), param="file", code="invalid_audio") from None
         except RunnerError as e:
             raise ApiError(400, str(e)) from None
+
+
+async def _deny(websocket: WebSocket, error: ApiError) -> None:
+    """The error as an HTTP answer to the handshake where the server can give one, else a close with its reason
+    (1008: policy; the reason is at most 123 bytes)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(error.response())
+    else:
+        await websocket.close(code=1008, reason=str(error).encode()[:123].decode(errors="ignore"))
 
 
 def _max_batch(model, asked: int | None) -> int:

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=whole(1, MAX_QUEUE),
         default=64,
         metavar="N",
-        help="requests waiting for the model at most; one more is refused (429, Retry-After)",
+        help="requests waiting for the model at most; one more is refused (429, Retry-After); on a realtime bundle, "
+        "connections waiting for the stream (one more gets a queue_full error event)",
     )
     p.add_argument(
         "--max-new-tokens",

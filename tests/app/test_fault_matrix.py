@@ -449,7 +449,7 @@ MANIFEST_FIELD_FAULTS = {
     "config.audio.dim missing": _field("model.config.audio.dim", "delete", "model.config.audio.dim is missing"),
     "max_seq_len missing": _field("model.max_seq_len", "delete", "model.max_seq_len is missing"),
     "max_seq_len a string": _field("model.max_seq_len", "1024", "model.max_seq_len is '1024'"),
-    "max_audio_chunks 0": _field("model.max_audio_chunks", 0, "model.max_audio_chunks is 0", ">= 1"),
+    "max_audio_chunks 0": _field("model.max_audio_chunks", 0, "model.max_audio_chunks is 0", "from 1 to"),
     "max_audio_chunks null": _field("model.max_audio_chunks", None, "model.max_audio_chunks is None"),
     "tokenizer null": _field("model.tokenizer", None, "model.tokenizer is None"),
     "special tokens a list": _field("model.special_tokens", ["bos"], "model.special_tokens is ['bos']"),

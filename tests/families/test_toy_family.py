@@ -184,8 +184,10 @@ def eager_toy(bundle_dir: Path, manifest, device: str | None = None) -> EagerEng
     device = device or manifest.device
     model = ToyModel(ToyConfig(**manifest.model["config"]["toy"])).to(device)
     methods = toy_methods(model)
-    for name, module in vars(methods).items():  # each method's weights file, keyed by its module's FQNs
-        module.load_state_dict(load_file(str(bundle_dir / manifest.methods[name].weights), device=device))
+    for name in manifest.methods:  # each method's weights file, keyed by its module's FQNs
+        getattr(methods, name).load_state_dict(
+            load_file(str(bundle_dir / manifest.methods[name].weights), device=device)
+        )
     return EagerEngine(
         methods, device=device, max_seq_len=manifest.model["max_seq_len"],
         max_audio_chunks=manifest.model["max_audio_chunks"], encoder_dtype=torch.float32, reset=lambda: None,

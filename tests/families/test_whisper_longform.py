@@ -97,7 +97,7 @@ def compare(tmp_path_factory, minutes, ours, reference, model_dir):
     return path, said, mine, ref, fw_text, wers
 
 
-@pytest.mark.parametrize("minutes", [pytest.param(2.2), pytest.param(10, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("minutes", [2.2, 10])
 def test_long_recording_as_openai_whisper_transcribes_it(tmp_path_factory, minutes, ours, reference, model_dir):
     path, said, mine, ref, fw_text, wers = compare(tmp_path_factory, minutes, ours, reference, model_dir)
     assert wers["ours"] <= wers["openai-whisper"] + 0.01

@@ -29,12 +29,18 @@ from runner.errors import Cancellation, RunnerError, Terminated
 def cmd_run(args: argparse.Namespace) -> int:
     from runner.app import folder
 
+    if args.ray is not None:
+        from runner.app import folder_ray
+
+        folder_ray.check_args(args)  # Ray installed, and --out: one line before any file is read
     # the files, --batch and --out are checked (and --out read) before the program loads: a typo fails at once
     work = folder.prepare(args)
     try:
         if not work.todo:
             print(f"note: every file already has a record in {args.out}; nothing to do", file=sys.stderr)
             return 0
+        if args.ray is not None:
+            return folder_ray.run_on_ray(args, work)
         return _run_loaded(args, work)
     finally:
         work.close()

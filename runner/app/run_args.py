@@ -123,6 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="files decoded at once (continuous batching: a finished file's slot takes the next one); above 1 "
         "needs a bundle exported with --max-batch",
     )
+    add_ray_flags(p)
     p.add_argument("--prompt", default=None, help="chat prompt about the audio (default: transcription)")
     p.add_argument("--language", default=None, help="transcription language, e.g. en")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -166,6 +167,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --wer: fail if the total WER is above this (0.2 = 20%%)",
     )
+
+
+def add_ray_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group('many machines (Ray: pip install -e ".[ray]")')
+    g.add_argument(
+        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="spread the files over Ray workers, each holding the bundle loaded (a GPU each for a CUDA bundle), "
+        "their records written to the one --out file: no ADDRESS starts a Ray cluster on this machine, an ADDRESS "
+        "(auto, HOST:PORT, ray://HOST:PORT) joins one whose machines see the files at the same paths",
+    )  # fmt: skip
+    g.add_argument(
+        "--workers", type=whole(1, 100_000), default=None, metavar="N",
+        help="with --ray: this many workers (default: one per GPU of the cluster for a CUDA bundle, one per CPU "
+        "for a CPU bundle)",
+    )  # fmt: skip
 
 
 def add_output_flags(p: argparse.ArgumentParser) -> None:

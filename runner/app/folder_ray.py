@@ -1,0 +1,189 @@
+"""`run --ray [ADDRESS]`: a folder run spread over the workers of a Ray cluster (a local one, or one joined).
+
+Each worker is a Ray actor holding one loaded bundle (runner/app/api.py's Model); it is given a few files at a
+time, reads and decodes them itself and runs them through `run`'s own continuous batching (runner/app/run.py's
+file_results). Results come back to the driver, which writes each file's record once, through the same Reporter
+and --out file a single-process run uses: the records are that run's. A worker that dies is restarted and its
+files given to it again (the actor's max_restarts, its tasks' max_task_retries); the driver keeps the first
+result of each file, so a retried file is neither lost nor written twice. The workers must see the files at the
+paths the driver names (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner.app.e2e_summary import E2ESummary
+from runner.app.folder import FilePlan
+from runner.app.run_args import RunOptions
+from runner.errors import RunnerError
+
+LOCAL = "local"  # --ray without an address: start a Ray cluster on this machine
+CHUNK_BATCHES = 4  # a worker is given this many batches of files at a time: its batch stays full between chunks
+MAX_RESTARTS = 3  # a worker that dies is started again this many times (its bundle loaded again)
+MAX_TASK_RETRIES = 3  # and its files given to it again
+INSTALL = 'pip install -e ".[ray]"'
+CHECK_FLAGS = {"reference": "--reference", "expect": "--expect", "expect_tokens": "--expect-tokens", "wer": "--wer"}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """--ray's one-line refusals, before any file is read: Ray missing, no --out, a check that needs one process."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise RunnerError(f"--ray needs Ray: {INSTALL}") from None
+    if args.out is None:
+        raise RunnerError("--ray needs --out FILE: the workers' records are written there")
+    given = [flag for name, flag in CHECK_FLAGS.items() if getattr(args, name, None)]
+    if given:
+        raise RunnerError(
+            f"--ray: {', '.join(given)} check(s) the run as a whole on one machine; run them without --ray, or "
+            "check the --out records after"
+        )
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A file's outcome as a worker sends it back: its result, or its error's message."""
+
+    audio: str
+    result: object | None  # a GenerationResult
+    error: str | None = None
+
+
+class Worker:
+    """One loaded bundle in a Ray actor; `transcribe` runs a chunk of files through `run`'s batching."""
+
+    def __init__(self, bundle: str, options: RunOptions):
+        from runner.app.api import Model
+
+        self.options = options
+        self.problem: str | None = None  # the bundle cannot run here: said once by the driver
+        try:
+            self.model = Model(bundle, options.runtime)
+            self._check()
+        except RunnerError as e:
+            self.problem = str(e)
+
+    def _check(self) -> None:
+        from runner.app.run import check_word_timestamps
+
+        m = self.model
+        if m.capabilities.streaming:
+            raise RunnerError(f"{m._program.bundle_dir}: a streaming bundle; use `python -m runner stream`")
+        if self.options.word_timestamps:
+            check_word_timestamps(m._program, m._family, m._engine)
+
+    def ready(self) -> str | None:
+        return self.problem
+
+    def transcribe(self, paths: list[str]) -> list[Finished]:
+        from runner.app.run import file_results, generation_options
+
+        m, o = self.model, self.options
+
+        def prompts(path: Path) -> list:
+            return m._family.prompts(path, o.prompt, o.language, m._engine.max_audio_chunks)
+
+        done = file_results(m._runner, [Path(p) for p in paths], prompts, generation_options(o), o.batch, m._load)
+        return [Finished(str(r.job.key), r.result, None if r.error is None else str(r.error)) for r in done]
+
+
+def run_on_ray(args: argparse.Namespace, plan: FilePlan) -> int:
+    """Every file of `plan` through the cluster's workers; the exit code as `run --out` gives it."""
+    import ray
+
+    from runner.bundle import read_manifest
+
+    options = RunOptions.from_args(args)
+    manifest = read_manifest(args.bundle)
+    started = not ray.is_initialized()  # a driver already connected (a notebook, the tests) keeps its cluster
+    if started:
+        _connect(ray, args.ray, args.workers)
+    workers: list = []
+    try:
+        _start_workers(ray, workers, args.bundle, options, manifest.device == "cuda", args.workers)
+        return _report(ray, workers, plan, options, args.bundle, manifest)
+    finally:
+        for w in workers:  # their CPUs and GPUs free at once, in a cluster that outlives this run too
+            ray.kill(w, no_restart=True)
+        if started:
+            ray.shutdown()
+
+
+def _connect(ray, address: str, workers: int | None) -> None:
+    quiet = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    if address == LOCAL:  # "local", never $RAY_ADDRESS: a new cluster of this machine's CPUs and GPUs
+        ray.init(address=LOCAL, num_cpus=workers, **quiet)
+        return
+    quiet.pop("include_dashboard")  # the joined cluster's head decides that
+    try:
+        ray.init(address=address, **quiet)
+    except (ConnectionError, ValueError, RuntimeError) as e:  # no cluster there, or not one Ray can join
+        raise RunnerError(f"--ray {address}: cannot join a Ray cluster there ({str(e).strip().splitlines()[0]})") from e
+
+
+def _start_workers(ray, started: list, bundle: Path, options: RunOptions, cuda: bool, workers: int | None) -> None:
+    """`started` gets each worker as it is started (for the caller to stop them however this ends)."""
+    resource = "GPU" if cuda else "CPU"
+    have = int(ray.cluster_resources().get(resource, 0))
+    n = workers or max(1, have)
+    if n > have:  # an autoscaling cluster may grow to fit them; a fixed one leaves the rest waiting
+        print(
+            f"note: --workers {n}: the cluster has {have} {resource}(s) now; the others wait for more", file=sys.stderr
+        )
+    actor = ray.remote(Worker).options(
+        num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=MAX_RESTARTS, max_task_retries=MAX_TASK_RETRIES
+    )
+    started += [actor.remote(str(bundle.resolve()), options) for _ in range(n)]
+    problems = [p for p in ray.get([w.ready.remote() for w in started]) if p is not None]
+    if problems:
+        raise RunnerError(problems[0])
+
+
+def _report(ray, workers: list, plan: FilePlan, options: RunOptions, bundle: Path, manifest) -> int:
+    from runner.app.report import Reporter
+    from runner.runtime.batch import Job, JobResult
+
+    summary = E2ESummary(f"run on Ray: {bundle.name} ({manifest.device}), {len(plan.todo)} file(s)", "", len(plan.todo))
+    report = Reporter(options, summary, plan.out, sys.stderr.isatty(), manifest.model.get("max_seq_len"))
+    by_name = {str(p): p for p in plan.todo}
+    with report:  # the job summary is written however the run ends
+        with report.showing_progress():
+            for done in _outcomes(ray, workers, list(by_name), options.batch * CHUNK_BATCHES):
+                path = by_name.pop(done.audio, None)
+                if path is None:  # already written (a retried chunk's file): once only
+                    continue
+                if done.error is not None:
+                    report.file_failed(path, RunnerError(done.error))
+                    continue
+                result = JobResult(Job(path, []), done.result)
+                report.file_text(result)
+                report.file_checked(result, [])
+        report.totals([])
+    return report.exit_code()
+
+
+def _outcomes(ray, workers: list, files: list[str], chunk: int) -> Iterator[Finished]:
+    """Each file's outcome as its chunk finishes, one chunk at a time on each worker. A chunk whose worker died
+    past its retries is an error for each of its files (error records run again on a re-run)."""
+    todo = deque(files[i : i + chunk] for i in range(0, len(files), chunk))
+    idle, pending = deque(workers), {}
+    while todo or pending:
+        while idle and todo:
+            worker, paths = idle.popleft(), todo.popleft()
+            pending[worker.transcribe.remote(paths)] = (worker, paths)
+        [ref], _ = ray.wait(list(pending), num_returns=1)
+        worker, paths = pending.pop(ref)
+        idle.append(worker)
+        try:
+            yield from ray.get(ref)
+        except ray.exceptions.RayError as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            yield from (Finished(p, None, f"{p}: its Ray worker failed ({why})") for p in paths)

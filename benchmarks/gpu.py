@@ -1,7 +1,7 @@
 """The GPU machine's one entry point: `python3 benchmarks/gpu.py [OPTIONS] MODE [MODE...]`.
 
 The product's own runs go through the nox sessions, in the image's Python (it holds CUDA torch; nox and the
-packages it lacks travel as wheels in .whl/): `nox --no-venv --no-install -s export-artifact / benchmark / tests /
+packages it lacks, pytest among them, travel as wheels in .whl/): `nox --no-venv --no-install -s export-artifact / benchmark / tests /
 soak`, and `python -m runner run / stream` where no session fits. What is not a product verb (kernel tables,
 profiles, memory) runs the scripts beside this one. Each mode is a function; its outcome (status, seconds, one
 line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with each mode's own JSON and logs.
@@ -239,7 +239,10 @@ def mode_setup(c: Call) -> str:
     if not c.dry:
         shim.mkdir(exist_ok=True)
         (shim / "python").unlink(missing_ok=True)
-        (shim / "python").symlink_to(sys.executable)
+        # a script, not a symlink: a venv's python started through a link elsewhere finds no pyvenv.cfg beside
+        # the link and runs without the venv's packages (the image's torch lives in one)
+        (shim / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+        (shim / "python").chmod(0o755)
     os.environ["PATH"] = f"{shim}{os.pathsep}{os.environ['PATH']}"
     wheels = sorted(str(p) for p in (ROOT / ".whl").glob("*.whl"))
     if not wheels and not c.dry:

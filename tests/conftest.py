@@ -136,3 +136,28 @@ def as_random_init(bundle: Path, dest: Path, **source) -> Path:
     for name in weight_files(read_manifest(dest)):
         (dest / name).unlink()
     return dest
+
+
+@pytest.fixture(scope="session")
+def realtime_bundle(tmp_path_factory) -> Path:
+    """tiny-realtime exported once for the session (its compiles from the cache)."""
+    from runner.export.registry import LoadRequest
+    from runner.export.voxtral_realtime import export_voxtral_realtime
+    from runner.export.voxtral_realtime import load as load_checkpoint
+
+    loaded = load_checkpoint(LoadRequest("tiny-realtime", None))
+    out = tmp_path_factory.mktemp("rt") / "tiny-realtime"
+    export_voxtral_realtime(loaded.model, loaded.source, loaded.tokenizer, out, ExportOptions(cache_dir=CACHE))
+    return out
+
+
+def parse_error(argv: list[str], capsys) -> str:
+    """The one line argparse refuses `argv` with (exit 2, no traceback)."""
+    from runner.app.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]

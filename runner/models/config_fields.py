@@ -74,6 +74,21 @@ def divides(value: int, name: str, by: int, by_name: str) -> None:
         raise ExportError(f"{name} ({value}) is not a multiple of {by_name} ({by}): head counts must divide it")
 
 
+def read_heads(d: dict, where: str, dim: int, default_heads: int) -> tuple[int, int, int]:
+    """A decoder's attention heads from an HF text section: (heads, KV heads, head dim), each checked (KV heads
+    divide the heads; the head dim, given or dim // heads, even for the rotary embeddings)."""
+    heads = read_whole(d, where, ("num_attention_heads",), "n_heads", default_heads)
+    kv_heads = read_whole(d, where, ("num_key_value_heads",), "n_kv_heads", heads)
+    divides(heads, where + "num_attention_heads", kv_heads, where + "num_key_value_heads")
+    head_dim = read_whole(d, where, ("head_dim",), "head_dim", None)
+    if head_dim is None and dim // heads < 2:
+        raise ExportError(f"{where}hidden_size ({dim}) is less than 2 x {where}num_attention_heads ({heads})")
+    head_dim = head_dim or dim // heads
+    if head_dim % 2:
+        raise ExportError(f"{where}head_dim: {head_dim} is odd (rotary embeddings pair its dims)")
+    return heads, kv_heads, head_dim
+
+
 def check_tower(tower, where: str) -> None:
     """Every field of a config dataclass within its bound (the configs that come from elsewhere than a file: a
     preset, a bundle's manifest)."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from runner.audio import N_FRAMES, N_MELS, TOKENS_PER_CHUNK
 from runner.errors import ExportError
 from runner.json_file import read_json_object
-from runner.models.config_fields import check_tower, divides, read_real, read_whole, real, section, whole
+from runner.models.config_fields import check_tower, divides, read_heads, read_real, read_whole, real, section, whole
 
 PROJECTOR_GROUP = 4  # the projector concatenates 4 consecutive encoder frames (1500 frames -> 375 tokens)
 
@@ -134,15 +134,7 @@ def _text_from_hf(t: dict) -> TextConfig:
     else:
         theta = read_real(t, w, "rope_theta", TextConfig.rope_theta)
     hidden = read_whole(t, w, ("hidden_size",), "dim", TextConfig.dim)
-    heads = read_whole(t, w, ("num_attention_heads",), "n_heads", TextConfig.n_heads)
-    kv_heads = read_whole(t, w, ("num_key_value_heads",), "n_kv_heads", heads)
-    divides(heads, w + "num_attention_heads", kv_heads, w + "num_key_value_heads")
-    head_dim = read_whole(t, w, ("head_dim",), "head_dim", None)
-    if head_dim is None and hidden // heads < 2:
-        raise ExportError(f"{w}hidden_size ({hidden}) is less than 2 x {w}num_attention_heads ({heads})")
-    head_dim = head_dim or hidden // heads
-    if head_dim % 2:
-        raise ExportError(f"{w}head_dim: {head_dim} is odd (rotary embeddings pair its dims)")
+    heads, kv_heads, head_dim = read_heads(t, w, hidden, TextConfig.n_heads)
     return TextConfig(
         vocab_size=read_whole(t, w, ("vocab_size",), "vocab_size", TextConfig.vocab_size),
         dim=hidden,

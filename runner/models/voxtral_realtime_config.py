@@ -9,7 +9,7 @@ from pathlib import Path
 from runner.audio import HOP_LENGTH, N_MELS, SAMPLE_RATE
 from runner.errors import ExportError
 from runner.json_file import read_json_object
-from runner.models.config_fields import check_tower, divides, read_real, read_whole, real, section, whole
+from runner.models.config_fields import check_tower, read_heads, read_real, read_whole, real, section, whole
 
 ADA_DIM = 32  # AdaRMSNorm's bottleneck: fixed in transformers' VoxtralRealtimeTextAdaRmsNorm
 CONV_STRIDE = 2  # conv2 halves the mel frame rate: 8 mel frames -> 4 encoder frames -> 1 text position
@@ -174,15 +174,7 @@ def _text_from_hf(t: dict) -> RealtimeTextConfig:
     dim = read_whole(t, w, ("hidden_size",), "dim", d.dim)
     if dim % 2:
         raise ExportError(f"{w}hidden_size: {dim} is odd (the delay's time embedding pairs its dims)")
-    heads = read_whole(t, w, ("num_attention_heads",), "n_heads", d.n_heads)
-    kv_heads = read_whole(t, w, ("num_key_value_heads",), "n_kv_heads", heads)
-    divides(heads, w + "num_attention_heads", kv_heads, w + "num_key_value_heads")
-    head_dim = read_whole(t, w, ("head_dim",), "head_dim", None)
-    if head_dim is None and dim // heads < 2:
-        raise ExportError(f"{w}hidden_size ({dim}) is less than 2 x {w}num_attention_heads ({heads})")
-    head_dim = head_dim or dim // heads
-    if head_dim % 2:
-        raise ExportError(f"{w}head_dim: {head_dim} is odd (rotary embeddings pair its dims)")
+    heads, kv_heads, head_dim = read_heads(t, w, dim, d.n_heads)
     return RealtimeTextConfig(
         vocab_size=read_whole(t, w, ("vocab_size",), "vocab_size", d.vocab_size),
         dim=dim,

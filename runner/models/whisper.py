@@ -257,19 +257,25 @@ class TokenEmbeddingMethod(nn.Module):
         return self.embed_tokens(ids)
 
 
+def _bind_decoder(method: nn.Module, m: Whisper) -> None:
+    """The decoder's parts as the method module's own children, under the FQNs the bundle's text_decoder weights
+    file names (one file serves every method over the decoder)."""
+    d = m.decoder
+    method.embed_tokens, method.embed_positions, method.layers, method.layer_norm = (
+        d.embed_tokens,
+        d.embed_positions,
+        d.layers,
+        d.layer_norm,
+    )
+
+
 class DecoderMethod(nn.Module):
     """embeds [1, S, d] + cache_position [S] + cross_kv -> logits of the last position [1, vocab] float32 (with
     `every_position`, the eager reference scoring a whole answer in one call: of each position, [S, vocab])."""
 
     def __init__(self, m: Whisper):
         super().__init__()
-        d = m.decoder
-        self.embed_tokens, self.embed_positions, self.layers, self.layer_norm = (
-            d.embed_tokens,
-            d.embed_positions,
-            d.layers,
-            d.layer_norm,
-        )
+        _bind_decoder(self, m)
 
     def forward(
         self, embeds: torch.Tensor, cache_position: torch.Tensor, cross_kv: torch.Tensor, every_position: bool = False
@@ -295,13 +301,7 @@ class AlignmentMethod(nn.Module):
 
     def __init__(self, m: Whisper, eot: int):
         super().__init__()
-        d = m.decoder
-        self.embed_tokens, self.embed_positions, self.layers, self.layer_norm = (
-            d.embed_tokens,
-            d.embed_positions,
-            d.layers,
-            d.layer_norm,
-        )
+        _bind_decoder(self, m)
         self.heads, self.eot = [tuple(h) for h in m.alignment_heads], eot
 
     def forward(self, ids: torch.Tensor, cross_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import AUDIO, CACHE
+from conftest import AUDIO
 
 import runner
 from runner.app.cli import main
@@ -49,20 +49,6 @@ def one_sentence(e: pytest.ExceptionInfo) -> str:
 def tiny(tiny_bundle):
     with runner.load(tiny_bundle) as model:
         yield model
-
-
-@pytest.fixture(scope="module")
-def realtime_bundle(tmp_path_factory) -> Path:
-    """tiny-realtime exported as tests/export/test_realtime_e2e.py does (its compiles from the cache)."""
-    from runner.export.pipeline import ExportOptions
-    from runner.export.registry import LoadRequest
-    from runner.export.voxtral_realtime import export_voxtral_realtime
-    from runner.export.voxtral_realtime import load as load_checkpoint
-
-    loaded = load_checkpoint(LoadRequest("tiny-realtime", None))
-    out = tmp_path_factory.mktemp("rt") / "tiny-realtime"
-    export_voxtral_realtime(loaded.model, loaded.source, loaded.tokenizer, out, ExportOptions(cache_dir=CACHE))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import AUDIO
+from live_server import running
 
 import runner
 from runner.app import writers
 from runner.app.cli import build_parser, main
 from runner.app.options import Environment
-from runner.app.serve import Service, _listen
+from runner.app.serve import Service
 from runner.app.serve_args import ServeOptions
 
 NEW = 12  # tokens per answer: enough to tell files apart, quick on the tiny model
@@ -58,20 +58,8 @@ class Live:
 def serving(model, **options):
     """A Service on a free loopback port, uvicorn in a thread, as `serve` runs it in the main thread."""
     service = Service(model, ServeOptions(port=0, max_new_tokens=NEW, **options))
-    sock = _listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(service.app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the server did not start"
-            time.sleep(0.01)
-        yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", service)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        service.close()
-        sock.close()
+    with running(service) as port:
+        yield Live(f"http://127.0.0.1:{port}", service)
 
 
 def run_record(bundle: Path, audio: Path) -> dict:

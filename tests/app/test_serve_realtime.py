@@ -9,20 +9,18 @@ import base64
 import contextlib
 import io
 import json
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 import websockets
-from conftest import AUDIO, CACHE
+from conftest import AUDIO
+from live_server import running
 from websockets.asyncio.client import connect
 
 import runner
 from runner.app.cli import main
-from runner.app.serve import Service, _listen
+from runner.app.serve import Service
 from runner.app.serve_args import ServeOptions
 from runner.audio import load_audio
 
@@ -41,20 +39,8 @@ def pcm_of(name: str) -> bytes:
 def serving(model, **options):
     """A Service on a free loopback port, uvicorn in a thread; yields the ws:// URL of /v1/realtime."""
     service = Service(model, ServeOptions(port=0, **options))
-    sock = _listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(service.app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the server did not start"
-            time.sleep(0.01)
-        yield f"ws://127.0.0.1:{sock.getsockname()[1]}/v1/realtime", service
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        service.close()
-        sock.close()
+    with running(service) as port:
+        yield f"ws://127.0.0.1:{port}/v1/realtime", service
 
 
 def client(url: str, key: str | None = None):
@@ -105,20 +91,6 @@ def error_of(event: dict, code: str) -> dict:
     error = event["error"]
     assert error["code"] == code and error["type"] and error["message"] and "Traceback" not in error["message"]
     return error
-
-
-@pytest.fixture(scope="module")
-def realtime_bundle(tmp_path_factory) -> Path:
-    """tiny-realtime exported as tests/app/test_api.py does (its compiles from the cache)."""
-    from runner.export.pipeline import ExportOptions
-    from runner.export.registry import LoadRequest
-    from runner.export.voxtral_realtime import export_voxtral_realtime
-    from runner.export.voxtral_realtime import load as load_checkpoint
-
-    loaded = load_checkpoint(LoadRequest("tiny-realtime", None))
-    out = tmp_path_factory.mktemp("rt") / "tiny-realtime"
-    export_voxtral_realtime(loaded.model, loaded.source, loaded.tokenizer, out, ExportOptions(cache_dir=CACHE))
-    return out
 
 
 @pytest.fixture(scope="module")

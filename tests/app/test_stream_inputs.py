@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import AUDIO, CACHE, FIXTURES
+from conftest import AUDIO, CACHE, FIXTURES, parse_error
 
 from runner.app.cli import build_parser, main
 from runner.app.stream import _stdin_blocks
@@ -143,15 +143,6 @@ def test_one_bad_file_among_streams_in_text_mode(rt_bundle, tmp_path, capsys):
 STREAM_FLAGS = ["--block-ms", "--bench-seconds", "--bench-steps", "--latency-seconds", "--long-minutes",
                 "--long-limit-s"]  # fmt: skip
 BAD_VALUES = ["nan", "inf", "-inf", "abc", "0", "-1", "1e11", "100000000000", "1e400", ""]
-
-
-def parse_error(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("flag", STREAM_FLAGS)

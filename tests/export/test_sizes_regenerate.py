@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import as_random_init
+from conftest import as_random_init, parse_error
 from script_module import load_module
 
 from runner.app.cli import build_parser, main
@@ -32,15 +32,6 @@ SIZE_FLAGS = {
     "--max-seq-len": MAX_SEQ_LEN,
     "--max-audio-chunks": MAX_AUDIO_CHUNKS,
 }
-
-
-def parse_error(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 def error_line(capsys) -> str:

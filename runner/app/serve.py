@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import math
 import queue
 import shutil
 import socket
@@ -26,7 +25,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -34,68 +32,40 @@ try:
     import uvicorn
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
     from starlette.applications import Starlette
-    from starlette.datastructures import FormData, UploadFile
+    from starlette.datastructures import FormData
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, HTTPConnection, Request
-    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route, WebSocketRoute
     from starlette.websockets import WebSocket
 except ImportError as e:  # the verb says which extra brings them
     raise ImportError(f"{e}: install the serve extra (pip install 'voxtral-aoti-runner[serve]')") from e
 
-from runner.app import writers
 from runner.app.os_errors import reason
 from runner.app.serve_args import ServeOptions
+from runner.app.serve_openai import (
+    FORMATS,
+    GRANULARITIES,
+    ApiError,
+    Options,
+    TooLarge,
+    limited_receive,
+    read_upload,
+    render,
+    temperature_field,
+    text_field,
+)
 from runner.app.serve_realtime import Realtime
 from runner.errors import AudioError, RunnerError
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
-GRANULARITIES = ("segment", "word")
 RETRY_AFTER_S = 1
 MAX_FIELDS = 32  # model, language, prompt, temperature, response_format, granularities: a few, never thousands
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-# ---------------------------------------------------------------- errors, as OpenAI gives them
-
-
-class ApiError(Exception):
-    """An answer other than 200: OpenAI's error object `{"error": {message, type, param, code}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-class _TooLarge(Exception):
-    pass
-
-
 # ---------------------------------------------------------------- the engine thread
-
-
-@dataclass(frozen=True)
-class Options:
-    """What a request asks of the model; requests that ask the same decode in one batch."""
-
-    language: str | None = None
-    prompt: str | None = None
-    temperature: float = 0.0
-    word_timestamps: bool = False
 
 
 @dataclass(frozen=True)
@@ -333,7 +303,7 @@ class Service:
         form = await self._form(request)
         try:
             fmt, options = self._fields(form)
-            audio = await _upload(form)
+            audio = await read_upload(form)
         finally:
             await form.close()
         t = await self._submit(audio, options)
@@ -353,17 +323,17 @@ class Service:
         if length.isdigit() and int(length) > limit:
             raise too_large
         try:
-            return await Request(request.scope, _limited(request.receive, limit)).form(
+            return await Request(request.scope, limited_receive(request.receive, limit)).form(
                 max_files=1, max_fields=MAX_FIELDS
             )
-        except _TooLarge:
+        except TooLarge:
             raise too_large from None
         except HTTPException as e:  # starlette's: a malformed multipart body
             raise ApiError(400, f"the form: {e.detail}") from None
 
     def _fields(self, form: FormData) -> tuple[str, Options]:
         """The response format and the model's options from the form, each checked; defaults as `run`'s."""
-        model = _text(form, "model")
+        model = text_field(form, "model")
         if model is not None and model != self.model.name:
             raise ApiError(
                 404,
@@ -371,10 +341,12 @@ class Service:
                 param="model",
                 code="model_not_found",
             )
-        fmt = _text(form, "response_format") or "json"
+        fmt = text_field(form, "response_format") or "json"
         if fmt not in FORMATS:
             raise ApiError(400, f"response_format {fmt!r}: one of {', '.join(FORMATS)}", param="response_format")
-        options = Options(_text(form, "language"), _text(form, "prompt"), _temperature(form), self._words(form))
+        options = Options(
+            text_field(form, "language"), text_field(form, "prompt"), temperature_field(form), self._words(form)
+        )
         return fmt, options
 
     def _words(self, form: FormData) -> bool:
@@ -431,101 +403,6 @@ def _max_batch(model, asked: int | None) -> int:
             f"--max-batch {asked} (or more), or serve with a smaller --max-batch"
         )
     return asked
-
-
-def _limited(receive: Callable, limit: int) -> Callable:
-    """The ASGI receive, raising _TooLarge once the body passes `limit` bytes."""
-    seen = 0
-
-    async def limited() -> dict:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise _TooLarge()
-        return message
-
-    return limited
-
-
-def _text(form: FormData, name: str) -> str | None:
-    value = form.get(name)
-    if value is not None and not isinstance(value, str):
-        raise ApiError(400, f"{name}: a text field, not a file", param=name)
-    return value or None
-
-
-def _temperature(form: FormData) -> float:
-    text = _text(form, "temperature")
-    if text is None:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise ApiError(400, f"temperature {text!r}: a finite number, 0 or more (0: greedy)", param="temperature")
-    return value
-
-
-async def _upload(form: FormData) -> bytes:
-    upload = form.get("file")
-    if not isinstance(upload, UploadFile):
-        raise ApiError(400, "file: required (the audio file, as multipart form-data)", param="file")
-    data = await upload.read()
-    if not data:
-        raise ApiError(400, f"file {upload.filename or ''!r}: empty", param="file", code="invalid_audio")
-    return data
-
-
-# ---------------------------------------------------------------- the answers
-
-
-def render(t, fmt: str, options: Options) -> Response:
-    if fmt == "json":
-        return JSONResponse({"text": t.text})
-    if fmt == "text":
-        return PlainTextResponse(t.text)
-    if fmt == "verbose_json":
-        return JSONResponse(verbose(t, options))
-    document = writers.transcript(t.text, [s.to_dict() for s in t.segments], t.language)
-    return PlainTextResponse(writers.RENDER[fmt](document), media_type="text/vtt" if fmt == "vtt" else None)
-
-
-def verbose(t, options: Options) -> dict:
-    """OpenAI's verbose_json (openai-whisper's transcribe result): times in seconds, `seek` in 10 ms frames."""
-    segments = [
-        {
-            "id": i,
-            "seek": round(s.start * 100),
-            "start": s.start,
-            "end": s.end,
-            "text": s.text,
-            "tokens": list(s.tokens),
-            "temperature": options.temperature if s.temperature is None else s.temperature,
-            "avg_logprob": s.avg_logprob,
-            "compression_ratio": compression_ratio(s.text),
-            "no_speech_prob": s.no_speech_prob,
-        }
-        for i, s in enumerate(t.segments)
-    ]
-    body = {
-        "task": "transcribe",
-        "language": t.language,
-        "duration": t.stats.get("audio_seconds"),
-        "text": t.text,
-        "segments": segments,
-    }
-    if options.word_timestamps:
-        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for s in t.segments for w in s.words or ()]
-    return body
-
-
-def compression_ratio(text: str) -> float:
-    """openai-whisper's: how much zlib shrinks the text (a repeating loop shrinks a lot)."""
-    data = text.encode()
-    return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
 # ---------------------------------------------------------------- the verb

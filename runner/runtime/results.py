@@ -4,6 +4,7 @@ batch beside other files' (runner/runtime/batch.py)."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -12,6 +13,13 @@ import torch
 from runner.runtime.detokenize import Tokenizer
 from runner.runtime.voicing import implausibly_short
 from runner.stats import Stats, now_ms
+
+
+def compression_ratio(text: str) -> float:
+    """openai-whisper's: the text's bytes over their zlib-compressed size (repetitive text compresses well; empty
+    text: 0). What the long form's fallback judges a window by, and verbose_json reports per segment."""
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ The thresholds are GenerationOptions' (the CLI's flags, with openai-whisper's na
 from __future__ import annotations
 
 import copy
-import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -21,7 +20,14 @@ from runner.audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE
 from runner.families.whisper.timing import add_word_timestamps, last_end
 from runner.families.whisper.tokenizer import WhisperTokenizer
 from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner, TextSegment, WindowPlan
-from runner.runtime.results import GenerationResult, Segment, TextJoiner, join_results, window_result
+from runner.runtime.results import (
+    GenerationResult,
+    Segment,
+    TextJoiner,
+    compression_ratio,
+    join_results,
+    window_result,
+)
 from runner.stats import Stats, now_ms
 
 INPUT_STRIDE = 2  # mel frames per encoder position: N_FRAMES / n_audio_ctx
@@ -35,12 +41,6 @@ _SYMBOLS = list('"#()*+/:;<=>@[\\]^_`{|}~「」『』') + (
     "<< >> <<< >>> -- --- -( -[ (' (\" (( )) ((( ))) [[ ]] {{ }} ♪♪ ♪♪♪".split()
 )
 _MISCELLANEOUS = "♩♪♫♬♭♮♯"
-
-
-def compression_ratio(text: str) -> float:
-    """openai-whisper's: the text's bytes over their zlib-compressed size (repetitive text compresses well)."""
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data))
 
 
 @dataclass(frozen=True)

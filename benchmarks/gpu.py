@@ -7,7 +7,7 @@ profiles, memory) runs the scripts beside this one. Each mode is a function; its
 line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with each mode's own JSON and logs.
 
     setup       always first: system g++ for AOTInductor, the carried wheels, compile caches under artifacts/
-    tests       nox -s tests on --cuda-tests (tests/cuda)
+    tests       nox -s cuda-tests (tests/cuda; --cuda-tests: more pytest arguments)
     export      the 3B random-init bf16 bundle -> --bundle, with --export-args; a failed export stops the rest
     bench       nox -s benchmark: ours beside --compare -> bench_3b.{json,png,md}
     long        --long-seconds of speech in one prompt beside --long-compare (and ours with --long-ab) -> bench_long*
@@ -26,6 +26,8 @@ line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with
     int4        int4_kernels.py --int4-args -> int4.json
     small24b    Voxtral-Small-24B dims, random init: export (other bundles deleted for the disk), then bench
     throughput  --tp-files files of 30 s at each batch of --tp-batches -> bench_tp.json
+    golden      cuda.yml's tiny and 3B bf16 cells exported and run on the fixtures: golden tokens -> $OUT
+    act         cuda.yml under nektos/act (--act-args: inputs, cells, jobs), offline -> act_summaries.tar.gz
 
 Modes run in the order given, each within its limit (LIMITS) and what is left of --budget; `--dry-run` prints
 the commands instead (any machine). At most 8 files come back from $OUT: past that they are packed into
@@ -54,16 +56,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEECH = ("speech.wav", "long_35s.flac", "speech_48k_stereo.wav")
+GOLDEN_AUDIO = ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")  # e2e's files
 # bench's setup of every headline figure: 30 s of audio, 385-token prompt, 128 forced new tokens
 BENCH_ARGS = ["--runs", "5", "--warmup", "2", "--language", "en", "--min-new-tokens", "128", "--max-new-tokens", "128"]
 LIMITS = {
     "setup": 120, "tests": 420, "export": 420, "bench": 300, "long": 420, "memory": 150, "firstrun": 300,
     "weights": 240, "regen": 180, "ab": 300, "profile": 90, "kernels": 540, "prefill": 180, "whisper": 540,
     "soak": 540, "realtime": 480, "export_int4": 420, "bench_int4": 200, "int4": 300, "small24b": 560,
-    "throughput": 240,
+    "throughput": 240, "golden": 420, "act": 560,
 }  # fmt: skip
 MIN_MODE_S = 20  # a mode with less time than this left is skipped, not started
-KEEP = ("summary.md", "summary.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
+KEEP = ("summary.md", "summary.json", "act_summaries.tar.gz", "tiny.json", "voxtral-mini-3b-random.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
         "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "firstrun.md", "weights.md")  # fmt: skip
 
 
@@ -77,7 +80,7 @@ class Config:
     export_args: str = "--max-seq-len 1024 --max-audio-chunks 1"  # the headline shape ("": the default capacity)
     compare: str = "hf,hf-compile"
     compare_24b: str = "hf,hf-compile"
-    cuda_tests: str = "tests/cuda"
+    cuda_tests: str = ""  # pytest arguments after tests/cuda (e.g. one file's tests: -k int4)
     long_seconds: int = 600
     long_compare: str = "hf-compile"
     long_ab: str = ""
@@ -98,6 +101,9 @@ class Config:
     rt_bench_args: str = "--bench-seconds 20 --bench-steps 50 --latency-seconds 10 --long-minutes 60 --long-limit-s 100"
     tp_files: int = 64
     tp_batches: str = "1,8,32"
+    wheels: str = ".whl"  # the carried wheels (nox, soundfile, soxr, av and their needs)
+    act_files: str = "artifacts/offline-act"  # node.xz and ci-actions.tgz, for the act mode
+    act_args: str = "--input preset=all --input quant=none export-artifact benchmark e2e"
     budget: int = 565  # seconds, under the device's 600 a command
     gpu_samples_ms: int = 0  # >0: sample the SM clock, power and temperature (nvidia-smi) through the call
 
@@ -128,7 +134,7 @@ class Call:
     commands: list[list[str]] = field(default_factory=list)
 
     def run(self, cmd: list[str], log: str | None = None, stdout: str | None = None, limit: int = 10**6,
-            env: dict | None = None, cwd: Path = ROOT) -> int:  # fmt: skip
+            env: dict | None = None, cwd: Path = ROOT, replace_env: bool = False) -> int:  # fmt: skip
         """`cmd` within `limit` and the mode's end; stderr (and stdout, unless `stdout`) appended to $OUT/log."""
         self.commands.append(cmd)
         print("  $ " + shlex.join(cmd), flush=True)
@@ -141,8 +147,8 @@ class Call:
         err = open(self.out / log, "a") if log else None  # noqa: SIM115 (closed below)
         sink = open(self.out / stdout, "w") if stdout else err  # noqa: SIM115
         # its own process group: a timeout stops what it started too (nox -> python -> compiler workers)
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=err, cwd=cwd, env={**os.environ, **(env or {})},
-                                start_new_session=True)  # fmt: skip
+        env = env if replace_env else {**os.environ, **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=err, cwd=cwd, env=env, start_new_session=True)
         try:
             return proc.wait(timeout=left)
         except subprocess.TimeoutExpired:
@@ -244,9 +250,9 @@ def mode_setup(c: Call) -> str:
         (shim / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
         (shim / "python").chmod(0o755)
     os.environ["PATH"] = f"{shim}{os.pathsep}{os.environ['PATH']}"
-    wheels = sorted(str(p) for p in (ROOT / ".whl").glob("*.whl"))
+    wheels = sorted(str(p) for p in (ROOT / c.cfg.wheels).glob("*.whl"))
     if not wheels and not c.dry:
-        raise Failed("no .whl/*.whl carried (nox, soundfile, soxr and their needs are not on the image)")
+        raise Failed(f"no {c.cfg.wheels}/*.whl carried (nox, soundfile, soxr and their needs are not on the image)")
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
     c.check(c.run([*pip, "--upgrade", "--target", "/tmp/site", *wheels], log="setup.log", limit=100), "pip install")
     sys.path[:0] = [str(ROOT), "/tmp/site"]
@@ -269,9 +275,63 @@ def export_3b(c: Call, out: str, *extra: str, log: str) -> str:
 
 
 def mode_tests(c: Call) -> str:
-    rc = c.nox("tests", "-q", "-p", "no:cacheprovider", "-rs", *split(c.cfg.cuda_tests), log="cuda_tests.log")
+    rc = c.nox("cuda-tests", "-q", "-p", "no:cacheprovider", "-rs", *split(c.cfg.cuda_tests), log="cuda_tests.log")
     c.check(rc, "tests/cuda", "cuda_tests.log")
     return (c.lines("cuda_tests.log", "") or ["(dry run)"])[-1]
+
+
+def mode_golden(c: Call) -> str:
+    """cuda.yml's tiny and 3B random-init bf16 cells exported as its export job does (into the default compile
+    cache, which its jobs then find), run on the fixture audio: their golden tokens -> artifacts/golden/ and $OUT."""
+    golden, notes = ROOT / "artifacts" / "golden", []
+    golden.mkdir(parents=True, exist_ok=True)
+    env = {"VOXTRAL_RUNNER_CACHE": str(Path.home() / ".cache" / "voxtral-runner")}
+    for name, preset, file in (("tiny", "tiny", "tiny.json"), ("3b", "voxtral-mini-3b", "voxtral-mini-3b-random.json")):
+        out, log = f"artifacts/golden-{name}", f"golden_{name}.log"
+        random = ["--random-init"] if preset != "tiny" else []
+        args = ["--preset", preset, *random, "--device", "cuda", "--dtype", "bf16", "--quant", "none", "--out", out]
+        c.check(c.nox("export-artifact", *args, log=log, env=env), f"{name} export", log)
+        if not (golden / file).exists() and (ROOT / "fixtures" / "golden" / file).exists():
+            shutil.copy(ROOT / "fixtures" / "golden" / file, golden / file)
+        audio = [str(ROOT / "fixtures" / "audio" / a) for a in GOLDEN_AUDIO]
+        run = ["--bundle", out, "--audio", *audio, "--max-new-tokens", "32", "--reference", "eager", "--json"]
+        c.check(c.runner("run", *run, stdout=f"golden_{name}.jsonl", log=log, env=env), f"{name} run", log)
+        write = [str(ROOT / "ci_scripts" / "golden_tokens.py"), "--bundle", out, "--records"]
+        write += [str(c.out / f"golden_{name}.jsonl"), "--golden", str(golden / file), "--replace"]
+        c.check(c.run([sys.executable, *write], log=log), f"{name} golden", log)
+        if not c.dry:
+            shutil.copy(golden / file, c.out / file)
+        notes.append(f"{name}: {(c.lines(log, 'artifacts/golden') or [file])[-1]}")
+    return "; ".join(notes)
+
+
+def mode_act(c: Call) -> str:
+    """cuda.yml run by nektos/act on this machine as on a self-hosted GPU runner without network: host mode, the
+    image's Python (its CUDA torch, TORCH_SPEC=preinstalled), pip from the carried wheels alone, the pinned actions
+    from --act-files' ci-actions.tgz, node from its node.xz. The golden mode's tokens (this call or an earlier one
+    on this machine) are committed into a repository of this tree for checkout to fetch."""
+    files = ROOT / c.cfg.act_files
+    node = Path("/tmp/node/bin/node")
+    if not c.dry and not node.exists() and shutil.which("node") is None:
+        node.parent.mkdir(parents=True, exist_ok=True)
+        c.check(c.run(["sh", "-c", f"xz -dc {files}/node.xz > {node} && chmod +x {node}"], log="act.log"), "node")
+    for made in sorted((ROOT / "artifacts" / "golden").glob("*.json")):
+        shutil.copy(made, ROOT / "fixtures" / "golden" / made.name)
+    if not (ROOT / ".git").exists():
+        git = ["git", "-c", "user.name=gpu", "-c", "user.email=gpu@localhost"]
+        for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "this tree"]):
+            c.check(c.run([*git, *cmd], log="act.log"), "git " + cmd[0], "act.log")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VOXTRAL_RUNNER_CACHE", "TRITON_CACHE_DIR")}
+    env["PATH"] = os.pathsep.join([str(node.parent), "/tmp/site/bin", env["PATH"]])
+    cmd = [sys.executable, "ci_scripts/act.py", "--workflow", ".github/workflows/cuda.yml", "--host-python"]
+    cmd += ["--actions", str(files / "ci-actions.tgz"), "--wheels", str(ROOT / c.cfg.wheels), "--runner-label", "gpu"]
+    cmd += ["--var", "CUDA_TORCH_SPEC=preinstalled", "--summaries", str(c.out / "summaries"), *split(c.cfg.act_args)]
+    rc = c.run(cmd, log="act.log", stdout="act_stdout.log", env=env, replace_env=True)
+    if (c.out / "summaries").is_dir():
+        with tarfile.open(c.out / "act_summaries.tar.gz", "w:gz") as tar:
+            tar.add(c.out / "summaries", arcname="summaries")
+    c.check(rc, "act", "act_stdout.log")
+    return (c.lines("act_stdout.log", "act: ") or ["(dry run)"])[-1]
 
 
 def mode_export(c: Call) -> str:

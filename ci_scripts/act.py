@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +140,43 @@ def clone(workdir: Path) -> Path:
     return dest
 
 
+class SummaryWatch(threading.Thread):
+    """Each job's summary, kept. In host mode act gives every step an empty `act/workflow/SUMMARY.md` in the job's
+    folder and keeps none of them; GitHub shows a job's summary as its steps' summaries in order. This reads the
+    files while act runs (a step's summary lives until the next step starts: the tens of milliseconds a step's
+    process takes to exit, at least) and writes each job folder's steps' summaries to `dest/<folder>.md`."""
+
+    def __init__(self, root: Path, dest: Path, every: float = 0.02):
+        super().__init__(daemon=True)
+        self.root, self.dest, self.every, self.done = root, dest, every, threading.Event()
+        self.steps: dict[Path, list[str]] = {}
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.poll()
+        self.poll()
+
+    def poll(self) -> None:
+        for f in self.root.glob("*/act/workflow/SUMMARY.md"):
+            try:
+                text = f.read_text(errors="replace")
+            except OSError:
+                continue
+            steps = self.steps.setdefault(f, [])
+            if not text.strip() or (steps and text == steps[-1]):
+                continue
+            if steps and text.startswith(steps[-1]):  # the same step, written in pieces
+                steps[-1] = text
+            else:
+                steps.append(text)
+            self.dest.mkdir(parents=True, exist_ok=True)
+            (self.dest / f"{f.parents[2].name}.md").write_text("\n".join(steps))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+
+
 def docker_daemon() -> bool:
     return (
         shutil.which("docker") is not None and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
@@ -242,12 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--env", f"{name}={value}"]
     log = work / "act.log"
     print(f"act: {' '.join(args.jobs) or 'every job'} of {args.workflow.name}, log {log}", flush=True)
+    watch = SummaryWatch(work / "action-cache", args.summaries) if args.summaries else None
+    if watch:
+        watch.start()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             out.write(line)
             sys.stdout.write(line)
         rc = proc.wait()
+    if watch:
+        watch.stop()
     problems = handoff(log.read_text())
     for problem in problems:
         print(f"error: artifact hand-off: {problem}", file=sys.stderr)

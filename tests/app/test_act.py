@@ -4,8 +4,10 @@ a session's default. `.ci/run` runs the real thing (`nox -s act`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,96 @@ def test_the_shared_tool_cache_gets_the_nox_every_install_step_pins():
         s for job in yaml.safe_load(CI)["jobs"].values() for s in job.get("steps", []) if "nox==" in s.get("run", "")
     ]
     assert steps and all('"nox==${NOX_VERSION}"' in s["run"] for s in steps)
+
+
+def test_the_host_python_tool_cache_starts_this_python_with_its_packages(tmp_path):
+    """--host-python: setup-python finds scripts that start this very Python (a GPU runner's, holding torch), so
+    the jobs' `python` and `nox` see its packages; a link to a venv's python elsewhere would not."""
+    root = act.tool_cache(tmp_path, "", host_python=True)
+    (version_dir,) = (root / "Python").iterdir()
+    assert (version_dir / "x64.complete").exists()
+    shim = version_dir / "x64" / "bin"
+    out = subprocess.run(
+        [str(shim / "python"), "-c", "import sys, torch; print(sys.prefix)"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == sys.prefix
+    assert subprocess.run([str(shim / "nox"), "--version"], capture_output=True).returncode == 0
+
+
+def test_each_steps_summary_is_kept_though_act_empties_the_file_per_step(tmp_path):
+    """act gives every step an empty SUMMARY.md and keeps none: the watcher keeps each step's, in order."""
+    summary = tmp_path / "cache" / "job1" / "act" / "workflow" / "SUMMARY.md"
+    summary.parent.mkdir(parents=True)
+    watch = act.SummaryWatch(tmp_path / "cache", tmp_path / "out", every=0.01)
+    watch.start()
+    try:
+        for text in ("## export\n", "## export\n| file | digest |\n", "", "## e2e: PASS\n"):
+            summary.write_text(text)
+            time.sleep(0.2)
+    finally:
+        watch.stop()
+    assert (tmp_path / "out" / "job1.md").read_text() == "## export\n| file | digest |\n\n## e2e: PASS\n"
+
+
+def _bundle(tmp_path, digest: str, device: str = "cuda", dtype: str = "bfloat16") -> Path:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(exist_ok=True)
+    manifest = {"device": device, "dtype": dtype, "model": {"source": {"weights_digest": digest}}}
+    (bundle / "model.pte").write_text(json.dumps(manifest))
+    return bundle
+
+
+def test_golden_tokens_are_written_for_the_bundles_model_and_found_by_its_digest(tmp_path):
+    """ci_scripts/golden_tokens.py files a run's tokens under the bundle's device-dtype; the e2e session then finds
+    that file among the cell's folder by the bundle's weights digest, and checks nothing where none holds it."""
+    golden_dir = tmp_path / "golden"
+    golden_dir.mkdir()
+    tiny = golden_dir / "tiny.json"
+    tiny.write_text(json.dumps({"weights_digest": "aaa", "tokens": {"cpu-float32": {"a.wav": [1]}}}))
+    bundle = _bundle(tmp_path, "bbb")
+    records = tmp_path / "run.jsonl"
+    records.write_text(json.dumps({"audio": "/x/a.wav", "tokens": [5, 6]}) + "\n")
+    write = [sys.executable, str(ROOT / "ci_scripts" / "golden_tokens.py"), "--bundle", str(bundle)]
+    write += ["--records", str(records)]
+    made = golden_dir / "big.json"
+    assert subprocess.run([*write, "--golden", str(made)], capture_output=True).returncode == 0
+    assert json.loads(made.read_text())["tokens"] == {"cuda-bfloat16": {"a.wav": [5, 6]}}
+    assert noxfile.golden_for(bundle, tiny) == (made, None)
+    # another model's file, or tokens already there, are not overwritten
+    refused = subprocess.run([*write, "--golden", str(tiny)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "another model" in refused.stderr
+    assert "already holds" in subprocess.run([*write, "--golden", str(made)], capture_output=True, text=True).stderr
+    # a device-dtype the file lacks, and a model no file holds
+    assert noxfile.golden_for(_bundle(tmp_path, "bbb", "cpu"), tiny) == (made, "cpu-bfloat16")
+    assert noxfile.golden_for(_bundle(tmp_path, "ccc"), tiny) == (tiny, "this model")
+
+
+def test_without_a_gpu_on_linux_nox_installs_the_cpu_wheel_from_pytorchs_index(monkeypatch):
+    monkeypatch.setattr(noxfile.sys, "platform", "linux")
+    monkeypatch.setattr(noxfile.shutil, "which", lambda name: None)
+    assert noxfile.default_torch() == ("torch==2.13.0+cpu", "https://download.pytorch.org/whl/cpu")
+    monkeypatch.setattr(noxfile.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert noxfile.default_torch() == ("torch==2.13.0", "")  # PyPI's CUDA build, where there is a GPU
+    monkeypatch.setattr(noxfile.sys, "platform", "darwin")
+    monkeypatch.setattr(noxfile.shutil, "which", lambda name: None)
+    assert noxfile.default_torch() == ("torch==2.13.0", "")  # PyPI's macOS wheel is a CPU build
+
+
+def test_preinstalled_venvs_see_the_packages_of_the_python_that_runs_nox(tmp_path):
+    """TORCH_SPEC=preinstalled: a venv made from a venv (the GPU image's /opt/torch/.venv) would see only its base
+    interpreter's site-packages; the .pth the session writes makes this Python's torch importable there."""
+    venv = tmp_path / "v"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
+
+    class VenvSession:
+        venv_backend = "virtualenv"
+
+        def run(self, *args, **kw):
+            return subprocess.run([python, *args[1:]], capture_output=True, text=True, check=True).stdout
+
+    noxfile.see_host_packages(VenvSession())
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0

@@ -6,46 +6,35 @@ a time or many through continuous batching, or audio streamed into a realtime bu
     with runner.load("artifacts/voxtral-tiny") as model:
         print(model.transcribe("fixtures/audio/speech.wav").text)
 
-The same program, engine and runner the CLI puts together (runner/app/run.py, runner/app/stream.py), and the same
-records: a Transcription's `to_dict()` holds what `run --json` (or `stream --json`) says of the same audio. Nothing
-here reads the environment: the runtime switches are `load`'s arguments."""
+The CLI's verbs are users of the same pieces: the program, engine and runner loaded as `run` loads them
+(runner/app/transcriber.py), the inputs made files (runner/app/audio_inputs.py), and a stream's record as `stream`
+gives it (runner/app/stream_record.py). A Transcription's `to_dict()` holds what `run --json` (or `stream --json`)
+says of the same audio. Nothing here reads the environment: the runtime switches are `load`'s arguments."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from runner.app.report import segments_of
-from runner.app.run import _warm_up, check_word_timestamps
-from runner.app.stream import stream_stats
-from runner.audio import MAX_RATE, MIN_RATE, SAMPLE_RATE, _to_mono
-from runner.bundle import read_manifest
-from runner.errors import AudioError, GenerationError, RunnerError
+from runner.app.audio_inputs import Audio, audio_file, mono_samples
+from runner.app.stream_record import stream_stats, timed
+from runner.app.transcriber import Transcriber, load_program, segments_of
+from runner.audio import SAMPLE_RATE
+from runner.errors import GenerationError, RunnerError
 from runner.families import Capabilities, family_for
 from runner.families.voxtral_realtime import StreamSession, program_steps
-from runner.families.voxtral_realtime.times import segments_of as stream_segments
 from runner.families.voxtral_realtime.times import token_times
-from runner.runtime.batch import Job, generate_many
-from runner.runtime.engine import ProgramEngine
-from runner.runtime.generate import GenerationOptions, MultimodalRunner
+from runner.runtime.batch import Job, JobResult, generate_many
+from runner.runtime.generate import GenerationOptions
 from runner.runtime.options import RuntimeOptions
-from runner.runtime.program import Program
 from runner.runtime.results import GenerationResult, Segment, Word
-from runner.stats import Stats, now_ms
 
 __all__ = ["Delta", "Model", "Stream", "Transcription", "load"]
-
-# What `audio` may be: a file's path, a file's bytes (any container load_audio reads), or float samples
-Audio = str | os.PathLike | bytes | np.ndarray
-MAX_CHANNELS = 64  # an array (n, channels) wider than this is taken to be channels-first: refused, not averaged
 
 
 @dataclass(frozen=True)
@@ -115,13 +104,8 @@ class Model:
         bundle_dir = Path(bundle)
         self.options = options or RuntimeOptions()
         self.name = bundle_dir.resolve().name  # the model id: its bundle directory's name
-        cuda = (device or read_manifest(bundle_dir).device) == "cuda"  # no CUDA context for a CPU bundle
-        self._load = Stats(model_load_start_ms=now_ms())
-        if cuda:
-            self._load.record_gpu_memory("before_load")
-        self._program = Program.load(bundle_dir, device=device, options=self.options)
-        if cuda:
-            self._load.record_gpu_memory("after_load")
+        # as `run` loads it (runner/app/transcriber.py): the same load stats, warm-up and engine
+        self._program, self._load = load_program(bundle_dir, self.options, device)
         self._closed = False
         try:
             self._set_up(bundle_dir)
@@ -130,17 +114,14 @@ class Model:
             raise
 
     def _set_up(self, bundle_dir: Path) -> None:
-        program, load = self._program, self._load
-        load.model_load_end_ms = now_ms()
+        program = self._program
         self._family = family_for(bundle_dir, program.manifest.model)
-        self._engine: ProgramEngine | None = None
-        self._steps = None
+        self._whole: Transcriber | None = None  # a bundle that takes whole inputs
+        self._steps = None  # a realtime bundle's streaming steps
         if self.capabilities.streaming:
             self._steps = program_steps(program, self.options, self._family.spec.window)
             return
-        self._engine = ProgramEngine(program, self.options, cross_attention=self._family.cross_attention)
-        _warm_up(self._engine, self.options, load)
-        self._runner = MultimodalRunner(self._engine, self._family.tokenizer, self._family.audio_id)
+        self._whole = Transcriber.ready(program, self._family, self.options, self._load)
 
     @property
     def family(self) -> str:
@@ -154,11 +135,16 @@ class Model:
     def max_batch(self) -> int:
         """How many inputs `transcribe_many` decodes at once at most (the bundle's --max-batch; 1 for a
         streaming bundle, whose streams go one at a time here)."""
-        return self._engine.max_batch if self._engine is not None else 1
+        return self._whole.engine.max_batch if self._whole is not None else 1
 
     @property
     def device(self) -> str:
         return self._program.device
+
+    @property
+    def bundle_dir(self) -> Path:
+        """The bundle's directory, as `load` was given it."""
+        return self._program.bundle_dir
 
     # ------------------------------------------------ whole inputs
 
@@ -179,9 +165,9 @@ class Model:
         """One input's transcript (`prompt`: a question about the audio, where the family takes one). `on_text`
         gets the text as it is generated."""
         opts = self._generation(temperature, top_p, seed, max_new_tokens, word_timestamps)
-        with _audio_file(audio, sample_rate) as (path, source, label):
+        with audio_file(audio, sample_rate) as (path, source, label):
             windows = self._prompts(path, label, prompt, language)
-        result = self._runner.generate_windows(windows, opts, on_text=on_text, stats=copy.copy(self._load))
+        result = self._whole.runner.generate_windows(windows, opts, on_text=on_text, stats=copy.copy(self._load))
         return _transcription(result, language, source, 0)
 
     def transcribe_many(
@@ -208,12 +194,12 @@ class Model:
 
         def jobs() -> Iterator[Job]:
             for i, audio in enumerate(audios):
-                with _audio_file(audio, sample_rate, i) as (path, source, label):
+                with audio_file(audio, sample_rate, i) as (path, source, label):
                     sources[i] = source
                     yield Job(i, self._prompts(path, label, prompt, language), self._load)
 
         def results() -> Iterator[Transcription]:
-            for done in generate_many(self._runner, jobs(), opts, batch, on_text=on_text):
+            for done in generate_many(self._whole.runner, jobs(), opts, batch, on_text=on_text):
                 i = done.job.key
                 if done.error is not None:
                     raise _naming(done.error, sources[i] or f"input {i}")
@@ -221,13 +207,44 @@ class Model:
 
         return results()
 
-    def _generation(self, temperature, top_p, seed, max_new_tokens, word_timestamps) -> GenerationOptions:
-        """The options checked as the CLI checks its flags (the same sentences), on a bundle that takes them."""
+    def file_results(
+        self,
+        paths: Iterable[Path],
+        generation: GenerationOptions,
+        *,
+        batch: int | None = None,
+        prompt: str | None = None,
+        language: str | None = None,
+        on_start: Callable[[Path], None] | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Iterator[JobResult]:
+        """Audio files as `run` takes them (runner/app/transcriber.py), for the CLI's own workers (`run --ray`):
+        any GenerationOptions (temperature fallback, logits kept for a check), each file's JobResult (keyed by its
+        path; its GenerationResult, or its error: a file that cannot be read is its result, not a raise) as it
+        finishes, `batch` at a time (default: max_batch). A program wants `transcribe_many`."""
+        whole = self._transcriber()
+        if generation.word_timestamps:
+            whole.check_word_timestamps()
+        batch = self.max_batch if batch is None else batch
+        return whole.file_results(list(paths), generation, batch, prompt, language, on_start, on_text)
+
+    def check_word_timestamps(self) -> None:
+        """Raise RunnerError, with the line `run --word-timestamps` gives, unless this bundle gives word times: its
+        family must (capabilities.word_timestamps), and its export must have the alignment method."""
+        self._transcriber().check_word_timestamps()
+
+    def _transcriber(self) -> Transcriber:
+        """The engine and runner of an open bundle that takes whole inputs."""
         self._check_open()
-        if self._engine is None:
+        if self._whole is None:
             raise GenerationError(
                 f"{self.name}: a {self.family} bundle transcribes streams: use Model.stream(), not transcribe()"
             )
+        return self._whole
+
+    def _generation(self, temperature, top_p, seed, max_new_tokens, word_timestamps) -> GenerationOptions:
+        """The options checked as the CLI checks its flags (the same sentences), on a bundle that takes them."""
+        whole = self._transcriber()
         opts = GenerationOptions(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -236,14 +253,14 @@ class Model:
             word_timestamps=word_timestamps,
         )
         if word_timestamps:
-            check_word_timestamps(self._program, self._family, self._engine)
+            whole.check_word_timestamps()
         return opts
 
     def _prompts(self, path: str, label: str, prompt: str | None, language: str | None) -> list:
         """The family's prompt windows for an audio file; an error about a private temporary file names the input
         it stands for instead."""
         try:
-            return self._family.prompts(path, prompt, language, self._engine.max_audio_chunks)
+            return self._whole.prompts(path, prompt, language)
         except RunnerError as e:
             if path == label:
                 raise
@@ -350,7 +367,7 @@ class Stream:
             return np.frombuffer(data[:cut], dtype="<i2").astype(np.float32) * np.float32(1 / 32768.0)
         if np.asarray(pcm).size == 0:  # nothing arrived yet: nothing to decide
             return np.zeros(0, np.float32)
-        return _mono(_float_frames(pcm, "pushed audio"), "pushed audio")
+        return mono_samples(pcm, "pushed audio")
 
     def _deltas(self, first: int, final: bool = False) -> list[Delta]:
         """The deltas of the tokens from index `first` on (and, at the end, the decoder's held-back bytes)."""
@@ -372,93 +389,15 @@ class Stream:
         return out
 
     def _transcription(self) -> Transcription:
-        """What `stream --json` records of the stream (runner/app/stream.py), as a Transcription."""
+        """What `stream --json` records of the stream (runner/app/stream_record.py), as a Transcription."""
         s, tok = self._session.stream, self._tok
         text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
-        times = token_times(self._spec, s.positions)
-        segments = tuple(_segment(r) for r in stream_segments(tok, s.tokens, times))
+        segments = tuple(_segment(r) for r in timed(tok, self._spec, s)["segments"])
         stats = stream_stats(self._session, self._spec, s.received / SAMPLE_RATE)
         return Transcription(text, segments, None, tuple(s.tokens), stats, None, 0)
 
 
-# ---------------------------------------------------------------- inputs
-
-
-@contextlib.contextmanager
-def _audio_file(audio: Audio, sample_rate: int | None, index: int | None = None) -> Iterator[tuple[str, Any, str]]:
-    """(a file load_audio reads, the input's source, the name errors give it) for any input: a path as it is;
-    bytes, or an array's 16 kHz mono samples as float32 WAV, in a private temporary file removed after."""
-    which = "" if index is None else f" {index}"
-    if isinstance(audio, str | os.PathLike):
-        if sample_rate is not None:
-            raise AudioError(f"sample_rate={sample_rate}: only for a sample array; a file says its own rate")
-        path = os.fspath(audio)
-        yield path, path, path
-        return
-    if isinstance(audio, bytes | bytearray | memoryview):
-        if sample_rate is not None:
-            raise AudioError(f"sample_rate={sample_rate}: only for a sample array; encoded bytes say their own rate")
-        with _temporary(lambda f: f.write(bytes(audio))) as path:
-            yield path, None, f"<bytes{which}>"
-        return
-    if isinstance(audio, np.ndarray):
-        samples = _array_samples(audio, sample_rate, f"<array{which}>")
-        with _temporary(lambda f: _write_wav(f, samples)) as path:
-            yield path, None, f"<array{which}>"
-        return
-    raise AudioError(f"audio: a path, bytes of an audio file or a float32 sample array, not {type(audio).__name__}")
-
-
-@contextlib.contextmanager
-def _temporary(write: Callable) -> Iterator[str]:
-    """A file only this user can read (mkstemp), written by `write(file)`, removed however the block ends."""
-    fd, path = tempfile.mkstemp(prefix="runner-audio-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        yield path
-    finally:
-        os.unlink(path)
-
-
-def _write_wav(f, samples: np.ndarray) -> None:
-    """Float32 WAV: load_audio reads back exactly these samples (16 kHz mono: nothing to mix or resample)."""
-    import soundfile as sf
-
-    sf.write(f, samples, SAMPLE_RATE, format="WAV", subtype="FLOAT")
-
-
-def _array_samples(audio: np.ndarray, sample_rate: int | None, label: str) -> np.ndarray:
-    """An array's samples as load_audio gives a file's: float32 mono at 16 kHz (channels averaged, resampled
-    with soxr), non-finite samples refused."""
-    if sample_rate is None:
-        raise AudioError(f"{label}: a sample array needs its sample_rate (e.g. sample_rate=16000)")
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int | np.integer):
-        raise AudioError(f"{label}: sample_rate={sample_rate!r}: a whole number of Hz")
-    if not MIN_RATE <= sample_rate <= MAX_RATE:
-        raise AudioError(f"{label}: unsupported sample rate {sample_rate} Hz (expected {MIN_RATE} to {MAX_RATE} Hz)")
-    return _mono(_float_frames(audio, label), label, int(sample_rate))
-
-
-def _float_frames(audio: Any, label: str) -> np.ndarray:
-    """[frames, channels] float32 from a float array of (n,) or (n, channels); NaN and Inf refused."""
-    a = np.asarray(audio)
-    if a.dtype.kind != "f":
-        raise AudioError(f"{label}: samples must be floats in [-1, 1] (float32), not {a.dtype}")
-    if a.ndim == 1:
-        a = a[:, None]
-    if a.ndim != 2 or a.shape[1] > MAX_CHANNELS:
-        raise AudioError(f"{label}: samples of shape {a.shape}; give (n,) mono or (n, channels), channels last")
-    if len(a) == 0:
-        raise AudioError(f"{label}: no samples")
-    if not np.isfinite(a).all():
-        raise AudioError(f"{label}: contains NaN or Inf samples")
-    return a.astype(np.float32, copy=False)
-
-
-def _mono(frames: np.ndarray, label: str, rate: int = SAMPLE_RATE) -> np.ndarray:
-    """What load_audio does with a file's frames (runner/audio.py): the mix, the resampling and their checks."""
-    return _to_mono(label, frames, rate)
+# ---------------------------------------------------------------- inputs and results
 
 
 def _naming(error: Exception, source: str) -> Exception:
@@ -468,11 +407,8 @@ def _naming(error: Exception, source: str) -> Exception:
     return type(error)(f"{source}: {error}")
 
 
-# ---------------------------------------------------------------- results
-
-
 def _transcription(result: GenerationResult, language: str | None, source: str | None, index: int) -> Transcription:
-    """A generation's Transcription: the segments `run --json` records (runner/app/report.py's segments_of)."""
+    """A generation's Transcription: the segments `run --json` records (runner/app/transcriber.py's segments_of)."""
     return Transcription(
         text=result.text,
         segments=tuple(segments_of(result)),

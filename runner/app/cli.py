@@ -48,21 +48,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_loaded(args: argparse.Namespace, work) -> int:
     from runner.app.run import run_files
-    from runner.bundle import read_manifest
-    from runner.runtime.program import Program
-    from runner.stats import Stats, now_ms
 
-    cuda = read_manifest(args.bundle).device == "cuda"  # no CUDA context for a CPU bundle
-    load = Stats()
-    load.model_load_start_ms = now_ms()
-    if cuda:
-        load.record_gpu_memory("before_load")
-    with Program.load(args.bundle, options=args.runtime) as program:
-        load.model_load_end_ms = now_ms()
-        if cuda:
-            load.record_gpu_memory("after_load")
-        # a live progress bar only on a real terminal (as export's spinner): in a log it would draw its frames
-        return run_files(program, args, load, work, live=sys.stderr.isatty())
+    # a live progress bar only on a real terminal (as export's spinner): in a log it would draw its frames
+    return run_files(args, work, live=sys.stderr.isatty())
 
 
 # ---------------------------------------------------------------- fetch

@@ -1,8 +1,7 @@
 """`run --ray [ADDRESS]`: a folder run spread over the workers of a Ray cluster (a local one, or one joined).
 
 Each worker is a Ray actor holding one loaded bundle (runner/app/api.py's Model); it is given a few files at a
-time, reads and decodes them itself and runs them through `run`'s own continuous batching (runner/app/run.py's
-file_results). Results come back to the driver, which writes each file's record once, through the same Reporter
+time, reads and decodes them itself and runs them through `run`'s own continuous batching (Model.file_results). Results come back to the driver, which writes each file's record once, through the same Reporter
 and --out file a single-process run uses: the records are that run's. A worker that dies is restarted and its
 files given to it again (the actor's max_restarts, its tasks' max_task_retries); the driver keeps the first
 result of each file, so a retried file is neither lost nor written twice. The workers must see the files at the
@@ -72,26 +71,25 @@ class Worker:
             self.problem = str(e)
 
     def _check(self) -> None:
-        from runner.app.run import check_word_timestamps
+        from runner.app.run import STREAMING
 
         m = self.model
         if m.capabilities.streaming:
-            raise RunnerError(f"{m._program.bundle_dir}: a streaming bundle; use `python -m runner stream`")
+            raise RunnerError(f"{m.bundle_dir}: {STREAMING}")
         if self.options.word_timestamps:
-            check_word_timestamps(m._program, m._family, m._engine)
+            m.check_word_timestamps()
 
     def ready(self) -> str | None:
         return self.problem
 
     def transcribe(self, paths: list[str]) -> list[Finished]:
-        from runner.app.run import file_results, generation_options
+        from runner.app.run import generation_options
 
-        m, o = self.model, self.options
-
-        def prompts(path: Path) -> list:
-            return m._family.prompts(path, o.prompt, o.language, m._engine.max_audio_chunks)
-
-        done = file_results(m._runner, [Path(p) for p in paths], prompts, generation_options(o), o.batch, m._load)
+        o = self.options
+        files = [Path(p) for p in paths]
+        done = self.model.file_results(
+            files, generation_options(o), batch=o.batch, prompt=o.prompt, language=o.language
+        )
         return [Finished(str(r.job.key), r.result, None if r.error is None else str(r.error)) for r in done]
 
 

@@ -16,10 +16,11 @@ from runner.app.checks import Totals, Verdict
 from runner.app.e2e_summary import E2ESummary, FileRow, md_text
 from runner.app.folder import Progress, ResultsFile
 from runner.app.run_args import RunOptions
+from runner.app.transcriber import segments_of, window_bounds
 from runner.app.writers import TranscriptWriter, transcript
 from runner.errors import RunnerError
 from runner.runtime.batch import JobResult
-from runner.runtime.results import GenerationResult, Segment
+from runner.runtime.results import GenerationResult
 
 MAX_ERROR_LINES = 10  # with --out, the check failures listed at the end (each bad file's is its record)
 ERROR_CELL = 120  # characters of an error in the summary's text cell
@@ -191,32 +192,6 @@ def file_record(path: Path, result: GenerationResult) -> dict:
         "segments": [s.to_dict() for s in segments_of(result)],
         "windows": window_records(result),
     }
-
-
-def window_bounds(result: GenerationResult) -> list[tuple[float, float]]:
-    """Each window's start and end in the file, in seconds to the millisecond: windows are consecutive, so each
-    starts where the one before ends."""
-    out, start = [], 0.0
-    for part in result.parts:
-        end = start + part.stats.audio_seconds
-        out.append((round(start, 3), round(end, 3)))
-        start = end
-    return out
-
-
-def segments_of(result: GenerationResult) -> tuple[Segment, ...]:
-    """The result's own segments (from timestamp tokens), else one per window at its bounds: a family without
-    timestamp tokens knows no finer times, and none are made up. A window judged silent has none."""
-    if result.segments:
-        return result.segments
-    if not result.parts:  # a result not cut into windows: the whole file is its one stretch
-        whole = Segment(0.0, round(result.stats.audio_seconds, 3), result.text, tuple(result.tokens))
-        return (whole,) if result.text.strip() else ()
-    return tuple(
-        Segment(start, end, part.text, tuple(tokens), temperature=part.temperature)
-        for part, tokens, (start, end) in zip(result.parts, result.window_tokens(), window_bounds(result))
-        if part.text.strip() and not part.silent
-    )
 
 
 def window_records(result: GenerationResult) -> list[dict]:

@@ -5,32 +5,31 @@ summary file (GITHUB_STEP_SUMMARY, read by the CLI), a table of them, one row pe
 from __future__ import annotations
 
 import argparse
-from collections import deque
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from runner.app.checks import ResultCheck, build_checks
 from runner.app.e2e_summary import COLUMNS, E2ESummary
 from runner.app.folder import FilePlan
 from runner.app.golden import golden_mismatch  # tests/app/test_cli_ux.py imports it from here
-from runner.app.os_errors import reason
 from runner.app.report import Reporter
 from runner.app.run_args import RunOptions
-from runner.errors import AudioError, RunnerError
-from runner.families import FAMILIES, family_for
-from runner.runtime.batch import JOB_ERRORS, Job, JobResult, generate_many
-from runner.runtime.engine import ProgramEngine
-from runner.runtime.generate import GenerationOptions, MultimodalRunner, Prompt
-from runner.runtime.options import RuntimeOptions
+from runner.app.transcriber import Transcriber, load_program
+from runner.errors import RunnerError
+from runner.families import family_for
+from runner.runtime.generate import GenerationOptions
 from runner.runtime.program import Program
-from runner.stats import Stats, now_ms
+from runner.stats import Stats
 
-__all__ = ["golden_mismatch", "run_files", "transcribe"]
+__all__ = ["STREAMING", "golden_mismatch", "run_files", "transcribe"]
+
+STREAMING = "a streaming bundle; use `python -m runner stream`"  # `run` (and `run --ray`) given a realtime bundle
 
 
-def run_files(program: Program, args: argparse.Namespace, load: Stats, plan: FilePlan, live: bool = False) -> int:
-    """The CLI's entry: `run`'s options are made from its flags here, once."""
-    return transcribe(program, RunOptions.from_args(args), load, plan, live)
+def run_files(args: argparse.Namespace, plan: FilePlan, live: bool = False) -> int:
+    """The CLI's entry: the bundle loaded (runner/app/transcriber.py), then `run`'s options made from its flags,
+    once."""
+    program, load = load_program(args.bundle, args.runtime)
+    with program:
+        return transcribe(program, RunOptions.from_args(args), load, plan, live)
 
 
 def transcribe(program: Program, options: RunOptions, load: Stats, plan: FilePlan, live: bool = False) -> int:
@@ -39,22 +38,14 @@ def transcribe(program: Program, options: RunOptions, load: Stats, plan: FilePla
     progress bar is drawn)."""
     family = family_for(program.bundle_dir, program.manifest.model)
     if family.capabilities.streaming:  # its methods are streaming steps, not a prompt's prefill and decode
-        raise RunnerError(f"{program.bundle_dir}: a streaming bundle; use `python -m runner stream`")
-    engine = ProgramEngine(program, options.runtime, cross_attention=family.cross_attention)
-    if options.word_timestamps:
-        check_word_timestamps(program, family, engine)
-    _warm_up(engine, options.runtime, load)
-    runner = MultimodalRunner(engine, family.tokenizer, family.audio_id)
+        raise RunnerError(f"{program.bundle_dir}: {STREAMING}")
+    whole = Transcriber.ready(program, family, options.runtime, load, word_timestamps=options.word_timestamps)
     generation = generation_options(options)
     checks = build_checks(program, family, options, generation)
     summary = summary_for(program, generation, checks, len(plan.todo))
     report = Reporter(options, summary, plan.out, live, program.manifest.model.get("max_seq_len"))
-
-    def prompts(path: Path) -> list[Prompt]:
-        return family.prompts(path, options.prompt, options.language, engine.max_audio_chunks)
-
     streamed = dict(on_start=report.file_started, on_text=report.text) if report.streaming else {}
-    results = file_results(runner, plan.todo, prompts, generation, options.batch, load, **streamed)
+    results = whole.file_results(plan.todo, generation, options.batch, options.prompt, options.language, **streamed)
     with report:  # the job summary is written however the run ends
         with report.showing_progress():
             for done in results:
@@ -65,29 +56,6 @@ def transcribe(program: Program, options: RunOptions, load: Stats, plan: FilePla
                 report.file_checked(done, [check.check(done) for check in checks])
         report.totals([check.finish() for check in checks])
     return report.exit_code()
-
-
-def check_word_timestamps(program: Program, family, engine: ProgramEngine) -> None:
-    """--word-timestamps on a bundle that cannot give them: one line before any file runs."""
-    if not family.capabilities.word_timestamps:
-        able = " or ".join(name for name, f in FAMILIES.items() if f.capabilities.word_timestamps)
-        raise RunnerError(
-            f"--word-timestamps: a {family.name} bundle gives no word times (its segments are its windows; "
-            f"finer times need an aligner); {able} bundles give them"
-        )
-    if not engine.aligns:
-        raise RunnerError(
-            f"--word-timestamps: {program.bundle_dir} has no alignment method (exported by an older version); "
-            "export it again"
-        )
-
-
-def _warm_up(engine: ProgramEngine, runtime: RuntimeOptions, load: Stats) -> None:
-    """Part of the load: the first file pays no first-call costs."""
-    t0 = now_ms()
-    if runtime.warm_up and engine.warm_up():
-        load.model_load_end_ms = now_ms()
-        load.warm_up_ms = load.model_load_end_ms - t0
 
 
 def generation_options(options: RunOptions) -> GenerationOptions:
@@ -120,44 +88,3 @@ def summary_for(program: Program, generation: GenerationOptions, checks: list[Re
         files=files,
         notes=[note for c in checks for note in c.notes],
     )
-
-
-def file_results(
-    runner: MultimodalRunner,
-    paths: list[Path],
-    prompts: Callable[[Path], list[Prompt]],
-    opts: GenerationOptions,
-    batch: int,
-    load: Stats,
-    on_start: Callable[[Path], None] | None = None,
-    on_text: Callable[[str], None] | None = None,
-) -> Iterator[JobResult]:
-    """Each file's result as it finishes (`generate_many`, `batch` at a time). A file whose audio cannot be read
-    (or opened: its permissions) fails before it is a job; its result comes out ahead of the next finished one.
-    With `on_text` the files run one at a time with their text streamed as it is generated (`on_start` as each
-    begins)."""
-    failed: deque[JobResult] = deque()
-
-    def jobs() -> Iterator[Job]:
-        for path in paths:
-            if on_start is not None:
-                on_start(path)
-            try:
-                windows = prompts(path)
-            except JOB_ERRORS as e:
-                failed.append(JobResult(Job(path, []), None, e))
-                continue
-            except OSError as e:  # the system refused this file (its permissions, a folder's): the others go on
-                failed.append(
-                    JobResult(Job(path, []), None, AudioError(f"cannot read audio file: {path} ({reason(e)})"))
-                )
-                continue
-            yield Job(path, windows, load)
-
-    results = generate_many(runner, jobs(), opts, batch, on_text=on_text)
-    for r in results:
-        while failed:
-            yield failed.popleft()
-        yield r
-    while failed:
-        yield failed.popleft()

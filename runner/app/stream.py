@@ -151,29 +151,6 @@ def _not_audio(pcm: str | None, index: int, value: float) -> str:
     )
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
-
-
-def stream_stats(session, spec, audio_seconds: float) -> dict:
-    t = session.times
-    compute = sum(t.compute_ms)
-    return {
-        "audio_seconds": round(audio_seconds, 3),
-        "steps": len(t.compute_ms),
-        "generated_tokens": len(session.tokens),
-        "step_ms_p50": round(_percentile(t.compute_ms, 50), 3),
-        "step_ms_p99": round(_percentile(t.compute_ms, 99), 3),
-        "token_lag_ms_p50": round(_percentile(t.lag_ms, 50), 3),
-        "token_lag_ms_p99": round(_percentile(t.lag_ms, 99), 3),
-        "model_delay_ms": spec.num_delay_tokens * spec.samples_per_token / 16.0,  # 16 samples per ms
-        "rtf": round(compute / 1e3 / audio_seconds, 4) if audio_seconds else 0.0,
-    }
-
-
 def first_difference(want: list[int], got: list[int]) -> int | None:
     """The first index where the token lists differ (a shorter list differs where it ends), or None."""
     i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
@@ -220,6 +197,7 @@ def _check_sources(args: argparse.Namespace) -> None:
 def _stream_sources(args: argparse.Namespace, family, steps) -> list[dict]:
     """Every --audio source through the bundle's steps, concurrently; each one's record (text, tokens, stats) as
     it ends. One stream's text is printed as it comes; several streams' each when its stream ends."""
+    from runner.app.stream_record import stream_stats, timed
     from runner.audio import SAMPLE_RATE
     from runner.families.voxtral_realtime import Stream, StreamBatch, run_fed
 
@@ -273,15 +251,6 @@ def _until_failure(args: argparse.Namespace, i: int, block: int, stream, failed:
         text = reason(e) if isinstance(e, OSError) else str(e)
         failed[i] = text if name in text else f"{name}: {text}"
         stream.done = True  # its row is free for the next stream; run_fed ends it as any finished stream
-
-
-def timed(tok, spec, stream) -> dict:
-    """A stream's record fields with times (runner/families/voxtral_realtime/times.py): each token's
-    `token_times` [start, end] in seconds, and `segments` with their `words`."""
-    from runner.families.voxtral_realtime.times import segments_of, token_times
-
-    times = token_times(spec, stream.positions)
-    return {"token_times": [list(t) for t in times], "segments": segments_of(tok, stream.tokens, times)}
 
 
 def _print_records(records: list[dict], as_json: bool) -> None:

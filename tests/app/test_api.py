@@ -220,6 +220,31 @@ def test_bad_options_raise_the_cli_sentence(tiny, tiny_bundle, capsys):
         assert one_sentence(e) == cli_error(capsys, "run", "--bundle", str(tiny_bundle), "--audio", audio, *flags)
 
 
+def test_file_results_are_the_files_transcripts_and_an_unreadable_file_is_its_error(tiny, tiny_bundle, tmp_path):
+    """`run --ray`'s workers' call: each file's result keyed by its path, a file that cannot be read its error."""
+    from runner.runtime.generate import GenerationOptions
+
+    missing = tmp_path / "nope.wav"
+    paths = [AUDIO / "speech.wav", missing, AUDIO / "short.wav"]
+    done = {r.job.key: r for r in tiny.file_results(paths, GenerationOptions(max_new_tokens=NEW))}
+    assert sorted(map(str, done)) == sorted(map(str, paths))
+    for path in (AUDIO / "speech.wav", AUDIO / "short.wav"):
+        assert done[path].error is None
+        assert tuple(done[path].result.tokens) == tiny.transcribe(path, max_new_tokens=NEW).tokens, path.name
+    assert done[missing].result is None and isinstance(done[missing].error, AudioError)
+    assert str(missing) in str(done[missing].error)
+    assert tiny.bundle_dir == tiny_bundle
+
+
+def test_check_word_timestamps_raises_the_line_run_gives(tiny, tiny_bundle, capsys):
+    with pytest.raises(RunnerError) as e:
+        tiny.check_word_timestamps()
+    audio = str(AUDIO / "short.wav")
+    assert one_sentence(e) == cli_error(
+        capsys, "run", "--bundle", str(tiny_bundle), "--audio", audio, "--word-timestamps"
+    )
+
+
 def test_stream_on_a_whole_file_bundle_is_refused(tiny):
     with pytest.raises(GenerationError) as e:
         tiny.stream()

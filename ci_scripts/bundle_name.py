@@ -1,13 +1,13 @@
-"""The bundle artifact's name and directory, one rule for every job and for `python -m runner fetch`:
+"""The bundle artifact's name and directory for a CI job, by the package's one rule (runner/bundle_name.py):
 
-    voxtral-bundle-<model>-<device>-<dtype>[-<quant>]   in   artifacts/<name>/
+    voxtral-bundle-<model>-<device>-<dtype>[-<quant>]-torch<major>.<minor>   in   artifacts/<name>/
 
-<model> is the preset (with "-random" for random weights), or a hub checkpoint id with "/" as "--" (artifact
-names may not contain "/"), or a local checkpoint directory's name; <quant> is the export's --quant when it is
-not "none" (an int4 bundle is another artifact than its bf16 twin).
+The torch release comes from --torch-spec (the workflow's TORCH_SPEC: `torch==2.13.0+cpu` -> torch2.13); a spec
+that pins no version (`preinstalled`, `torch>=2.13`) is answered by the torch this Python imports. The step runs
+before anything is installed, so only the stdlib and that one stdlib-only module of the package are imported.
 
     python ci_scripts/bundle_name.py (--preset P [--random-init] | --checkpoint ID) --device D --dtype T
-        [--quant Q] [--github-output FILE]
+        [--quant Q] [--torch-spec SPEC] [--github-output FILE]
 """
 
 from __future__ import annotations
@@ -15,19 +15,35 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import PurePosixPath
+from pathlib import Path
 
-PREFIX = "voxtral-bundle"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner/ without installing it (stdlib only here)
+
+from runner.bundle_name import ARTIFACTS, bundle_name  # noqa: E402
+from runner.errors import RunnerError  # noqa: E402
+
+# `torch==2.13.0+cpu`, `torch===2.13.0`, `torch==2.13.*`; a torch wheel's path or URL
+_PINNED = re.compile(r"torch\s*(?:\[[^\]]*\])?\s*===?\s*v?(\d+\.\d+)\S*")
+_WHEEL = re.compile(r"(?:^|[/@\s])torch-(\d+\.\d+)[^/\s]*\.whl")
 
 
-def slug(model: str) -> str:
-    model = PurePosixPath(model.rstrip("/")).name if model.startswith("/") else model  # a path: its last part
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", model.replace("/", "--")).strip("-.") or "model"
+def pinned_torch(spec: str) -> str | None:
+    """The major.minor a TORCH_SPEC installs; None where it pins none (`preinstalled`, `torch`, `torch>=2.13`)."""
+    spec = spec.strip()
+    found = _PINNED.fullmatch(spec) or _WHEEL.search(spec)
+    return found[1] if found else None
 
 
-def bundle_name(model: str, device: str, dtype: str, quant: str = "none") -> str:
-    name = f"{PREFIX}-{slug(model)}-{slug(device)}-{slug(dtype)}"
-    return name if quant in ("", "none") else f"{name}-{slug(quant)}"
+def running_torch(spec: str) -> str:
+    """The version of the torch this Python imports, for a spec that pins none."""
+    try:
+        import torch
+    except (ImportError, OSError) as e:
+        raise RunnerError(
+            f"--torch-spec {spec!r} pins no torch version and this Python cannot import torch "
+            f"({' '.join(str(e).split())}): pass a spec such as torch==2.13.0"
+        ) from None
+    return str(torch.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,16 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", required=True)
     ap.add_argument("--dtype", required=True)
     ap.add_argument("--quant", default="none", help="the export's --quant (none: not in the name)")
+    ap.add_argument(
+        "--torch-spec", default="", help="the torch the job installs ($TORCH_SPEC); none pinned: this Python's torch"
+    )
     ap.add_argument("--github-output", help="append name= and dir= here ($GITHUB_OUTPUT)")
     args = ap.parse_args(argv)
     model = args.checkpoint or args.preset
-    if not args.checkpoint and args.random_init.lower() == "true":
-        model += "-random"
     if not model:
         print("error: give --preset or --checkpoint", file=sys.stderr)
         return 1
-    name = bundle_name(model, args.device, args.dtype, args.quant)
-    lines = f"name={name}\ndir=artifacts/{name}\n"
+    random_init = not args.checkpoint and args.random_init.lower() == "true"
+    try:
+        torch_version = pinned_torch(args.torch_spec) or running_torch(args.torch_spec)
+        name = bundle_name(model, args.device, args.dtype, torch_version, quant=args.quant, random_init=random_init)
+    except RunnerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    lines = f"name={name}\ndir={ARTIFACTS}/{name}\n"
     print(lines, end="")
     if args.github_output:
         with open(args.github_output, "a") as f:

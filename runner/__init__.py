@@ -4,7 +4,7 @@ As a library (runner/app/api.py):
 
     import runner
 
-    with runner.load("artifacts/voxtral-tiny") as model:
+    with runner.load("artifacts/voxtral-bundle-tiny-cpu-fp32-torch2.13") as model:
         print(model.transcribe("fixtures/audio/speech.wav").text)
 
 `load`, `Model`, `Stream`, `Transcription` and `Delta` are imported on first use: `import runner` (and the CLI's

@@ -3,7 +3,7 @@ a time or many through continuous batching, or audio streamed into a realtime bu
 
     import runner
 
-    with runner.load("artifacts/voxtral-tiny") as model:
+    with runner.load("artifacts/voxtral-bundle-tiny-cpu-fp32-torch2.13") as model:
         print(model.transcribe("fixtures/audio/speech.wav").text)
 
 The CLI's verbs are users of the same pieces: the program, engine and runner loaded as `run` loads them

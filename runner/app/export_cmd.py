@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="bundle directory (default artifacts/voxtral-<preset>-<device>-<dtype>); a bundle there built from the "
-        "same model, options and code is left as it is",
+        help="bundle directory (default artifacts/voxtral-bundle-<preset or checkpoint>-<device>-<dtype>[-<quant>]"
+        "-torch<major>.<minor>, as CI names its artifacts); a bundle there built from the same model, options and "
+        "code is left as it is",
     )
     p.add_argument(
         "--cache-dir",
@@ -166,6 +167,8 @@ def _options(args: argparse.Namespace, cache_dir: Path):
 
 def _export(args: argparse.Namespace, cache_dir: Path, console):
     """(the bundle's directory, the export's report): the model loaded and exported, with a spinner."""
+    import torch
+
     from runner.export import presets
 
     opts = _options(args, cache_dir)
@@ -174,8 +177,7 @@ def _export(args: argparse.Namespace, cache_dir: Path, console):
         args.preset, args.checkpoint, random_init=args.random_init, seed=args.seed, dtype=dtype, device=device,
         cache_dir=cache_dir,
     )  # fmt: skip
-    quant = "" if args.quant == "none" else f"-{args.quant}"
-    out = args.out or start.default_out(device, dtype, quant)
+    out = args.out or start.default_out(device, dtype, args.quant, torch.__version__)
     # A live spinner only on a real terminal: with FORCE_COLOR (as CI sets it) rich would draw its frames into a
     # log file or a pipe, around the lines a reader or a script looks for.
     spinner = console.status if sys.stderr.isatty() else _PlainStatus(console)

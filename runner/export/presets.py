@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from runner.bundle_name import ARTIFACTS, bundle_name
 from runner.export import registry
 from runner.export.registry import ExportFamily, Loaded, LoadRequest
 
@@ -15,14 +16,18 @@ DEFAULT_PRESET = "tiny"  # the embedded default: its seeded weights need no down
 
 @dataclass(frozen=True)
 class ModelToExport:
-    """The loaded model and the family entry that exports it (its exporter, its default --out prefix)."""
+    """The loaded model, the family entry that exports it, and whether its weights are random."""
 
     loaded: Loaded
     family: ExportFamily
+    random_init: bool = False
 
-    def default_out(self, device: str, dtype: str, suffix: str = "") -> Path:
-        """artifacts/<prefix><name>-<device>-<dtype><suffix>"""
-        return Path("artifacts") / f"{self.family.bundle_prefix}{self.loaded.name}-{device}-{dtype}{suffix}"
+    def default_out(self, device: str, dtype: str, quant: str, torch_version: str) -> Path:
+        """artifacts/<the bundle's name> (runner/bundle_name.py: the CI artifacts' names too)."""
+        x = self.loaded
+        return Path(ARTIFACTS) / bundle_name(
+            x.name, device, dtype, torch_version, quant=quant, random_init=self.random_init
+        )
 
     def export(self, out: Path, opts, progress=None):
         """The family's exporter on the loaded model: its ExportReport."""
@@ -46,4 +51,4 @@ def load(
         preset = preset or DEFAULT_PRESET
         family = registry.for_preset(preset)
     request = LoadRequest(preset, checkpoint, random_init, seed, dtype, device, cache_dir)
-    return ModelToExport(family.load(request), family)
+    return ModelToExport(family.load(request), family, random_init=random_init and checkpoint is None)

@@ -60,7 +60,6 @@ class ExportFamily:
     load: Callable[[LoadRequest], Loaded]
     export: Callable  # (model, source, tokenizer, out, ExportOptions, progress) -> ExportReport
     methods: tuple[str, ...]  # the methods every bundle of it has (the manifest's `required_methods`)
-    bundle_prefix: str = ""  # default --out: artifacts/<prefix><name>-<device>-<dtype>
     claims_checkpoint: Callable[[Path], bool] | None = None  # a checkpoint directory is this family's
     any_checkpoint: bool = False  # loads a checkpoint no other family claims (and says what is wrong with it)
     batching: bool = False  # takes --max-batch > 1 (a batched decode step)

@@ -363,7 +363,6 @@ EXPORT = register(
         load=load,
         export=export_voxtral,
         methods=METHOD_NAMES,
-        bundle_prefix="voxtral-",
         any_checkpoint=True,
         batching=True,
         quant_modules=QUANT_MODULES,

@@ -373,7 +373,6 @@ def export_voxtral_realtime(
 
 PRESET_NAMES = ("tiny-realtime", "voxtral-mini-4b-realtime")
 SEEDED_PRESET = "tiny-realtime"  # the others need --random-init or a checkpoint
-BUNDLE_PREFIX = "voxtral-"
 
 
 def is_realtime_checkpoint(ckpt: Path) -> bool:
@@ -407,7 +406,6 @@ EXPORT = register(
         load=load,
         export=export_voxtral_realtime,
         methods=METHODS,
-        bundle_prefix=BUNDLE_PREFIX,
         claims_checkpoint=is_realtime_checkpoint,
         streams=True,
     )

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 act = load_module("ci_act", ROOT / "ci_scripts" / "act.py")
-noxfile = load_module("noxfile_under_test", ROOT / "noxfile.py")
+noxfile = sys.modules.get("noxfile_under_test") or load_module("noxfile_under_test", ROOT / "noxfile.py")
 CI = (ROOT / ".github" / "workflows" / "ci.yml").read_text()
 
 

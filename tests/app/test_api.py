@@ -11,11 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from conftest import AUDIO
 
 import runner
 from runner.app.cli import main
 from runner.audio import load_audio
+from runner.bundle_name import bundle_name
 from runner.errors import AudioError, GenerationError, RunnerError
 
 FILES = ["speech.wav", "long_35s.flac", "short.wav", "speech_48k_stereo.wav"]
@@ -93,12 +95,14 @@ def test_the_package_ships_its_types():
 
 
 def test_the_readme_example_runs_as_written(tiny_bundle):
-    """README's Library example, on the tiny bundle in place of the one `nox -s e2e` builds there."""
+    """README's Library example, on the tiny bundle in place of the one `nox -s e2e` builds there (named after the
+    torch it runs under: the README names the one the project pins)."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Library") :]
     code = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
-    assert len(code.splitlines()) == 5 and '"artifacts/voxtral-tiny"' in code
-    code = code.replace('"artifacts/voxtral-tiny"', repr(str(tiny_bundle)))
+    e2e_bundle = f'"artifacts/{bundle_name("tiny", "cpu", "fp32", torch.__version__)}"'
+    assert len(code.splitlines()) == 5 and e2e_bundle in code
+    code = code.replace(e2e_bundle, repr(str(tiny_bundle)))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() and "Traceback" not in p.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from conftest import AUDIO
 from live_server import running
 
@@ -29,6 +30,7 @@ from runner.app.cli import build_parser, main
 from runner.app.options import Environment
 from runner.app.serve import Service
 from runner.app.serve_args import ServeOptions
+from runner.bundle_name import bundle_name
 
 NEW = 12  # tokens per answer: enough to tell files apart, quick on the tiny model
 KEY = "sk-test-7f3a"
@@ -411,14 +413,15 @@ def _read_response(s: socket.socket) -> bytes:
 def test_the_readme_server_example_runs_as_written(live, records):
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Server") :]
-    assert "python -m runner serve --bundle artifacts/voxtral-tiny" in section
+    e2e_bundle = bundle_name("tiny", "cpu", "fp32", torch.__version__)  # the bundle `nox -s e2e` builds
+    assert f"python -m runner serve --bundle artifacts/{e2e_bundle}" in section
     code = section[section.index("```python\n") + 10 : section.index("```\n", section.index("```python\n") + 10)]
     assert (
         len([line for line in code.splitlines() if line.strip()]) == 4
         and "http://127.0.0.1:8000/v1" in code
-        and '"voxtral-tiny"' in code
+        and f'"{e2e_bundle}"' in code  # the model's name is its directory's
     )
-    code = code.replace("http://127.0.0.1:8000", live.url).replace('"voxtral-tiny"', repr(live.service.model.name))
+    code = code.replace("http://127.0.0.1:8000", live.url).replace(f'"{e2e_bundle}"', repr(live.service.model.name))
     env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper() and not k.startswith("OPENAI_")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stderr[-2000:]

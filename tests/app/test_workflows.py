@@ -312,6 +312,8 @@ def test_downloads_name_the_artifact_the_export_job_uploads(wf):
     (upload,) = [s for s in step_using(export, "actions/upload-artifact")]
     assert expr(upload["with"]["name"]) == "steps.bundle.outputs.name"
     exported = {c["cell"]: c for c in cells(w, "export-artifact")}
+    # the torch the jobs install is in the name: a benchmark baseline compares like with like
+    assert '--torch-spec "$TORCH_SPEC"' in named_by(export) and "TORCH_SPEC" in w["env"], name
     for job_id in ("benchmark", "e2e"):
         job = w["jobs"][job_id]
         assert named_by(job) == named_by(export), f"{name}/{job_id} names the bundle another way"
@@ -497,19 +499,70 @@ def test_check_bundle_requires_the_tokenizer_in_the_manifest(tmp_path):
 
 
 def test_bundle_name_follows_the_artifact_naming_rule(tmp_path):
-    r = script("bundle_name.py", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32")
-    assert r.stdout == "name=voxtral-bundle-tiny-cpu-fp32\ndir=artifacts/voxtral-bundle-tiny-cpu-fp32\n"
+    cpu = ["--torch-spec", "torch==2.13.0+cpu"]
+    r = script("bundle_name.py", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32", *cpu)
+    assert r.stdout == (
+        "name=voxtral-bundle-tiny-cpu-fp32-torch2.13\ndir=artifacts/voxtral-bundle-tiny-cpu-fp32-torch2.13\n"
+    )
     out = tmp_path / "o"
     args = ["--preset", "voxtral-mini-3b", "--random-init", "true", "--device", "cuda", "--dtype", "bf16"]
+    args += ["--torch-spec", "torch==2.13.0"]
     script("bundle_name.py", *args, "--github-output", out)
-    assert read_outputs(out)["name"] == "voxtral-bundle-voxtral-mini-3b-random-cuda-bf16"
+    assert read_outputs(out) == {
+        "name": "voxtral-bundle-voxtral-mini-3b-random-cuda-bf16-torch2.13",
+        "dir": "artifacts/voxtral-bundle-voxtral-mini-3b-random-cuda-bf16-torch2.13",
+    }
     r = script(
-        "bundle_name.py", "--checkpoint", "mistralai/Voxtral-Mini-3B-2507", "--device", "cuda", "--dtype", "bf16"
-    )
-    assert "name=voxtral-bundle-mistralai--Voxtral-Mini-3B-2507-cuda-bf16\n" in r.stdout
+        "bundle_name.py", "--checkpoint", "mistralai/Voxtral-Mini-3B-2507", "--device", "cuda", "--dtype", "bf16",
+        "--torch-spec", "torch==2.14.1",
+    )  # fmt: skip
+    assert "name=voxtral-bundle-mistralai--Voxtral-Mini-3B-2507-cuda-bf16-torch2.14\n" in r.stdout
     r = script("bundle_name.py", *args, "--quant", "int4")  # another artifact than the bf16 bundle's
-    assert "name=voxtral-bundle-voxtral-mini-3b-random-cuda-bf16-int4\n" in r.stdout
+    assert "name=voxtral-bundle-voxtral-mini-3b-random-cuda-bf16-int4-torch2.13\n" in r.stdout
     assert script("bundle_name.py", *args, "--quant", "none").stdout == script("bundle_name.py", *args).stdout
+
+
+def test_bundle_name_is_the_packages_name(tmp_path):
+    """The CI step and `export`'s default --out name a bundle by the one function (runner/bundle_name.py)."""
+    from runner.bundle_name import bundle_name
+
+    for preset, device, dtype, quant, random_init in [
+        ("tiny", "cpu", "fp32", "none", False), ("voxtral-mini-3b", "cuda", "bf16", "int4", True),
+    ]:  # fmt: skip
+        argv = ["--preset", preset, "--device", device, "--dtype", dtype, "--quant", quant]
+        argv += ["--random-init", str(random_init).lower(), "--torch-spec", "torch==2.13.0+cpu"]
+        name = bundle_name(preset, device, dtype, "2.13.0+cpu", quant=quant, random_init=random_init)
+        assert script("bundle_name.py", *argv).stdout.startswith(f"name={name}\n")
+
+
+@pytest.mark.parametrize(
+    ("spec", "tag"),
+    [("torch==2.13.0+cpu", "torch2.13"), ("torch === 2.12.1", "torch2.12"), ("torch==2.14.*", "torch2.14"),
+     ("/wheels/torch-2.13.0+cpu-cp312-cp312-linux_x86_64.whl", "torch2.13"),
+     ("torch @ https://download.pytorch.org/whl/cpu/torch-2.15.0%2Bcpu-cp312-cp312-linux_x86_64.whl", "torch2.15")],
+)  # fmt: skip
+def test_bundle_name_reads_the_torch_release_from_the_spec_without_torch(spec, tag):
+    """The workflow's step runs in a bare Python: `-S` (no site-packages) has no torch to ask."""
+    cmd = [sys.executable, "-S", str(ROOT / "ci_scripts" / "bundle_name.py"), "--preset", "tiny", "--device", "cpu"]
+    r = subprocess.run([*cmd, "--dtype", "fp32", "--torch-spec", spec], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"name=voxtral-bundle-tiny-cpu-fp32-{tag}\n")
+
+
+@pytest.mark.parametrize("spec", ["preinstalled", "torch", "torch>=2.13", ""])
+def test_bundle_name_asks_the_running_torch_when_the_spec_pins_none(spec):
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    r = script("bundle_name.py", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--torch-spec", spec)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"name=voxtral-bundle-tiny-cpu-fp32-torch{major}.{minor}\n")
+    bare = [sys.executable, "-S", str(ROOT / "ci_scripts" / "bundle_name.py"), "--preset", "tiny"]
+    r = subprocess.run(
+        [*bare, "--device", "cpu", "--dtype", "fp32", "--torch-spec", spec], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1 and not r.stdout
+    assert r.stderr.startswith("error: --torch-spec") and "torch" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_job_summary_renders_records_and_plain_objects(tmp_path):

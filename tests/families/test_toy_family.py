@@ -154,9 +154,7 @@ def export_toy(model: ToyModel, source, tokenizer: Path, out: Path, opts: Export
     return build_bundle(model, plans, source, tokenizer, meta, out, opts, progress, key)
 
 
-EXPORT = registry.ExportFamily(
-    NAME, presets=(PRESET,), load=load, export=export_toy, methods=METHOD_NAMES, bundle_prefix="toy-"
-)
+EXPORT = registry.ExportFamily(NAME, presets=(PRESET,), load=load, export=export_toy, methods=METHOD_NAMES)
 
 
 # ---------------------------------------------------------------- run time and the eager reference

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -20,7 +22,8 @@ from pathlib import Path
 
 from runner.app.e2e_summary import E2ESummary
 from runner.app.folder import FilePlan
-from runner.app.run_args import RunOptions
+from runner.app.os_errors import reason
+from runner.app.run_args import RAY_PROBE_S, RunOptions
 from runner.errors import RunnerError
 
 LOCAL = "local"  # --ray without an address: start a Ray cluster on this machine
@@ -29,6 +32,13 @@ MAX_RESTARTS = 3  # a worker that dies is started again this many times (its bun
 MAX_TASK_RETRIES = 3  # and its files given to it again
 INSTALL = 'pip install -e ".[ray]"'
 CHECK_FLAGS = {"reference": "--reference", "expect": "--expect", "expect_tokens": "--expect-tokens", "wer": "--wer"}
+# --ray ADDRESS: the connection, then the server's first answer, each within this. ray.init itself dials a dead
+# address for many minutes (Ray 2.60: 20 tries of about 35 s each), so the address is tried first.
+PROBE_S = RAY_PROBE_S
+# What a gRPC server (Ray's GCS, or its client server behind ray://) is sent first: HTTP/2's client preface and an
+# empty SETTINGS frame. It answers with a SETTINGS frame of its own (frame type 4, the 4th byte of the 9-byte head).
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+H2_SETTINGS = 4
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -121,10 +131,69 @@ def _connect(ray, address: str, workers: int | None) -> None:
         ray.init(address=LOCAL, num_cpus=workers, **quiet)
         return
     quiet.pop("include_dashboard")  # the joined cluster's head decides that
+    why = unreachable(address)
+    if why is not None:
+        raise RunnerError(f"--ray {address}: cannot join a Ray cluster there ({why})")
     try:
         ray.init(address=address, **quiet)
     except (ConnectionError, ValueError, RuntimeError) as e:  # no cluster there, or not one Ray can join
         raise RunnerError(f"--ray {address}: cannot join a Ray cluster there ({str(e).strip().splitlines()[0]})") from e
+
+
+def unreachable(address: str) -> str | None:
+    """Why nothing at ADDRESS can be a Ray cluster, in a few words; None where one may be. The host and port
+    ray.init would dial must take a TCP connection and answer HTTP/2's preface as a gRPC server does, each within
+    PROBE_S (a name that does not resolve fails as fast as the system's resolver says so)."""
+    target = _dialled(address)
+    if target is None:  # no address to try (auto with no cluster, a malformed one): ray.init says why at once
+        return None
+    host, port = target
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_S) as s:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):  # TLS first: the connection is all
+                return None
+            s.sendall(H2_PREFACE)
+            head = _read(s, 9)
+    except socket.gaierror as e:
+        return f"{host} does not resolve: {reason(e)}"
+    except TimeoutError:
+        return f"no answer from {host}:{port} within {PROBE_S} s"
+    except OSError as e:
+        return f"{host}:{port}: {reason(e)}"
+    if len(head) < 9 or head[3] != H2_SETTINGS:
+        return f"{host}:{port} answers, but not as a Ray cluster's gRPC server does"
+    return None
+
+
+def _dialled(address: str) -> tuple[str, int] | None:
+    """The host and port ray.init dials for ADDRESS, as Ray resolves it: auto as $RAY_ADDRESS, else a cluster
+    started on this machine; localhost as this machine's address; ray://HOST:PORT through Ray's client."""
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+    if "://" in address:
+        address = address.split("://", 1)[1]
+    else:
+        try:  # Ray's own resolution: what it dials, not what was typed
+            from ray._private.services import canonicalize_bootstrap_address
+        except ImportError:  # a Ray that moved it: the address as given
+            pass
+        else:
+            try:
+                address = canonicalize_bootstrap_address(address)
+            except (ConnectionError, ValueError):
+                return None
+    if address is None:
+        return None
+    host, _, port = address.rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
+def _read(s: socket.socket, n: int) -> bytes:
+    """Up to n bytes: fewer only where the other end closed first."""
+    data = b""
+    while len(data) < n and (chunk := s.recv(n - len(data))):
+        data += chunk
+    return data
 
 
 def _start_workers(ray, started: list, bundle: Path, options: RunOptions, cuda: bool, workers: int | None) -> None:

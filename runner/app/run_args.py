@@ -169,13 +169,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# --ray ADDRESS: connecting, then the cluster's first answer, each within this (runner/app/folder_ray.py's probe)
+RAY_PROBE_S = 10
+
+
 def add_ray_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group('many machines (Ray: pip install -e ".[ray]")')
     g.add_argument(
         "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
         help="spread the files over Ray workers, each holding the bundle loaded (a GPU each for a CUDA bundle), "
         "their records written to the one --out file: no ADDRESS starts a Ray cluster on this machine, an ADDRESS "
-        "(auto, HOST:PORT, ray://HOST:PORT) joins one whose machines see the files at the same paths",
+        "(auto, HOST:PORT, ray://HOST:PORT) joins one whose machines see the files at the same paths (where no "
+        f"cluster answers: an error, after {RAY_PROBE_S} s at most connecting and {RAY_PROBE_S} s for an answer)",
     )  # fmt: skip
     g.add_argument(
         "--workers", type=whole(1, 100_000), default=None, metavar="N",

@@ -1,13 +1,17 @@
 """`run --ray`: a folder run over the workers of a local Ray cluster gives the records of the single-process run,
-each file's exactly once, even when a worker dies mid-run; a re-run skips what is done; without Ray, one line."""
+each file's exactly once, even when a worker dies mid-run; a re-run skips what is done; without Ray, one line; an
+address where no cluster answers, one line in seconds; a second driver joins a running cluster by its address."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,8 @@ from runner.app.cli import main
 
 ray = pytest.importorskip("ray")
 
-AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
+ROOT = Path(__file__).resolve().parents[2]
+AUDIO = ROOT / "fixtures" / "audio"
 NAMES = ["short.wav", "speech.wav", "silence.wav", "speech_48k_stereo.wav"]
 FILES = 12
 FAST = ["--max-new-tokens", "8"]
@@ -47,6 +52,14 @@ def by_file(recs: list[dict]) -> dict[str, dict]:
 
 def run(bundle: Path, audio_dir: Path, out: Path, *extra: str) -> int:
     return main(["run", "--bundle", str(bundle), "--audio-dir", str(audio_dir), "--out", str(out), *FAST, *extra])
+
+
+def run_cli(bundle: Path, audio_dir: Path, out: Path, *extra: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m runner run` in a process of its own, killed past `timeout` (a hang fails the test, and ends)."""
+    argv = ["run", "--bundle", str(bundle), "--audio-dir", str(audio_dir), "--out", str(out), *FAST, *extra]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "runner", *argv]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +129,45 @@ def test_ray_without_out_or_with_a_check_is_one_error_line(tiny_bundle, audio_di
     assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "no-such-host.invalid:6379", "ray://127.0.0.1:1"])
+def test_an_address_where_no_cluster_listens_is_one_error_line_in_seconds(tiny_bundle, audio_dir, address, tmp_path):
+    """ray.init alone dials such an address for many minutes; the run says so in one line within PROBE_S."""
+    out = tmp_path / "ray.jsonl"
+    t0 = time.monotonic()
+    done = run_cli(tiny_bundle, audio_dir, out, "--ray", address, timeout=120)
+    took = time.monotonic() - t0
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.startswith(f"error: --ray {address}: cannot join a Ray cluster there (")
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert took < 30, f"{took:.1f} s"
+    assert not out.exists()
+
+
+def test_a_server_that_is_not_ray_is_refused_and_a_silent_one_within_the_timeout(monkeypatch):
+    """Something listens, but it is not a gRPC server (an HTTP/1 answer), or answers nothing: refused either way,
+    the silent one after PROBE_S. The servers listen on the address Ray dials for this machine."""
+    host = ray.util.get_node_ip_address()
+    with socket.create_server((host, 0)) as http, socket.create_server((host, 0)) as silent:
+
+        def answer():
+            conn, _ = http.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        address = f"{host}:{http.getsockname()[1]}"
+        assert folder_ray.unreachable(address) == f"{address} answers, but not as a Ray cluster's gRPC server does"
+        thread.join(10)
+
+        monkeypatch.setattr(folder_ray, "PROBE_S", 1)
+        address = f"{host}:{silent.getsockname()[1]}"  # the kernel takes the connection; nobody reads it
+        t0 = time.monotonic()
+        assert folder_ray.unreachable(address) == f"no answer from {address} within 1 s"
+        assert 0.9 < time.monotonic() - t0 < 5
+
+
 def test_help_does_not_import_ray():
     code = (
         "import sys\nfrom runner.app.cli import main\ntry:\n    main(['run', '--help'])\nexcept SystemExit:\n"
@@ -169,3 +221,14 @@ def test_a_bundle_the_workers_cannot_run_is_one_error_line(cluster, tiny_bundle,
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--word-timestamps" in errors[0], errors
     assert not out.exists()
+
+
+def test_a_second_driver_joins_the_running_cluster_by_its_address(cluster, tiny_bundle, audio_dir, single, tmp_path):
+    """The probe lets a real cluster through: `--ray HOST:PORT` of this cluster's GCS, from another process, gives
+    the single-process run's records."""
+    address = ray.get_runtime_context().gcs_address
+    assert folder_ray.unreachable(address) is None
+    out = tmp_path / "joined.jsonl"
+    done = run_cli(tiny_bundle, audio_dir, out, "--ray", address, "--workers", "1", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert by_file(records(out)) == by_file(records(single))

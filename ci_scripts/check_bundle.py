@@ -10,8 +10,9 @@ the upload step uploads, so nothing unchecked travels). Files in DIR the manifes
 With --summary it appends the job summary: the files table, the total size, the bundle digest and each method's
 compile time (the manifest's model.compile_seconds; with model.compile_cached, whether it came from the cache).
 
-A random-init bundle that records how its weights were drawn does not ship them: they are left out of
-`upload-paths` (unless --with-weights), may be absent when a downloaded bundle is checked, and are drawn again
+A bundle whose manifest records how to make its weights again does not ship them: a random-init bundle's (drawn
+from its seed) and a pinned package's (Whisper tiny.en: converted from the installed package). They are left out
+of `upload-paths` (unless --with-weights), may be absent when a downloaded bundle is checked, and are made again
 and checked against their digests by `python -m runner export --regenerate DIR` (the benchmark and e2e sessions
 do it) before anything loads them.
 """
@@ -32,6 +33,7 @@ from runner.bundle import (  # noqa: E402
     read_manifest,
     regenerable_weights,
     verify_bundle,
+    weights_origin,
 )  # noqa: E402
 from runner.errors import RunnerError  # noqa: E402
 
@@ -95,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expect-digest", help="fail unless model.pte's sha256 is this (the export job's output)")
     ap.add_argument("--github-output", type=Path, help="append step outputs here ($GITHUB_OUTPUT)")
     ap.add_argument("--summary", type=Path, help="append a markdown table here ($GITHUB_STEP_SUMMARY)")
-    ap.add_argument("--with-weights", action="store_true", help="upload a random-init bundle's weights too")
+    ap.add_argument(
+        "--with-weights", action="store_true", help="upload the weights of a bundle that records how to make them too"
+    )
     args = ap.parse_args(argv)
     try:
         manifest, digest, unlisted = check(args.bundle, args.expect_digest)
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     drawn = set() if args.with_weights else regenerable_weights(manifest)
-    rows = [(n, f"{role} (not uploaded: drawn again)" if n in drawn else role, size, sha)
+    rows = [(n, f"{role} (not uploaded: made again)" if n in drawn else role, size, sha)
             for n, role, size, sha in table(manifest, args.bundle, digest)]  # fmt: skip
     total = sum(int(r[2]) for r in rows)
     width, role_width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
@@ -117,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if drawn:
         left = sum(manifest.files[n].size for n in drawn)
-        print(f"{args.bundle}: weights not uploaded ({human(left)}, random-init: drawn again from the manifest's "
-              "record by `python -m runner export --regenerate DIR`)")  # fmt: skip
+        print(f"{args.bundle}: weights not uploaded ({human(left)}; {weights_origin(manifest)}): made again from "
+              "the manifest's record by `python -m runner export --regenerate DIR`")  # fmt: skip
     if args.github_output:
         paths = "\n".join(str(args.bundle / r[0]) for r in rows if r[0] not in drawn)
         with open(args.github_output, "a") as f:

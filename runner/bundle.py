@@ -16,7 +16,17 @@ from typing import Any
 
 from runner.digests import DigestCache, is_digest, sha256_file, sha256_range, workers
 from runner.errors import BundleError
-from runner.manifest_fields import FieldError, check_dtype, check_name, check_shape, check_top, is_int, need
+from runner.manifest_fields import (
+    PACKAGE,
+    RANDOM_INIT,
+    FieldError,
+    check_dtype,
+    check_name,
+    check_shape,
+    check_top,
+    is_int,
+    need,
+)
 
 MANIFEST_NAME = "model.pte"
 FORMAT_NAME = "voxtral-aoti-bundle"
@@ -267,17 +277,29 @@ def weight_files(manifest: Manifest) -> list[str]:
 
 
 def missing_weights(bundle_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """The manifest's weight files that are not in `bundle_dir` (a random-init artifact travels without them)."""
+    """The manifest's weight files that are not in `bundle_dir` (a random-init or package artifact travels without
+    them)."""
     return [f for f in weight_files(manifest) if not (Path(bundle_dir) / f).is_file()]
 
 
 def regenerable_weights(manifest: Manifest) -> set[str]:
-    """The weight files of a random-init bundle that records how its weights were drawn (they need not travel:
-    runner/export/regenerate.py draws them again and checks them against their digests); empty otherwise."""
+    """The weight files of a bundle that records how to make them again (they need not travel:
+    runner/export/regenerate.py makes them again and checks them against their digests): a random-init bundle's,
+    drawn from its seed by the generator it names, or a pinned package's, converted again from that package (the
+    manifest's checks require its record); empty otherwise."""
     source = manifest.model.get("source") if isinstance(manifest.model, dict) else None
-    if not (isinstance(source, dict) and source.get("kind") == "random-init" and source.get("generator")):
+    kind = source.get("kind") if isinstance(source, dict) else None
+    if not ((kind == RANDOM_INIT and source.get("generator")) or kind == PACKAGE):
         return set()
     return set(weight_files(manifest))
+
+
+def weights_origin(manifest: Manifest) -> str:
+    """Where the weights of a bundle that travels without them are made again from, for a line."""
+    source = manifest.model["source"]
+    if source.get("kind") == PACKAGE:
+        return f"converted from {source['package']['name']} {source['package']['version']}"
+    return "random-init: drawn from its seed"
 
 
 def verify_bundle(
@@ -290,8 +312,8 @@ def verify_bundle(
     """Read the manifest and check that every file it names is present, unlinked, of the right size and
     digest, and that every method's library and weights are among those files. Raises BundleError.
     `digests` remembers verified files (default: the user cache's). Files named in `absent` may be missing (a
-    random-init bundle's weights, drawn again after the download: runner/export/regenerate.py); present, they are
-    checked like the rest."""
+    random-init or package bundle's weights, made again after the download: runner/export/regenerate.py); present,
+    they are checked like the rest."""
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
     for method in manifest.methods.values():
@@ -318,8 +340,8 @@ def verify_bundle(
         paths[rel] = path
         if not path.is_file() and rel in regenerable_weights(manifest):
             raise BundleError(
-                f"{path}: missing: this random-init bundle travels without its weights; draw them with "
-                f"`python -m runner export --regenerate {bundle_dir}`"
+                f"{path}: missing: this bundle travels without its weights ({weights_origin(manifest)}); make them "
+                f"with `python -m runner export --regenerate {bundle_dir}`"
             )
         if not path.is_file():
             raise BundleError(f"{path}: missing from the bundle")

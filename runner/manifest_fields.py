@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from runner.audio import CHUNK_LENGTH, MAX_SECONDS
+from runner.digests import is_digest
 
 
 class FieldError(ValueError):
@@ -44,6 +45,10 @@ _POSITIVE = {
     "max_streams": MAX_STREAMS,
 }
 _FLAGS = ("pdl", "multilingual", "prefill_pieces")
+# model.source.kind of weights a bundle may travel without, made again from the manifest's record
+# (runner/export/regenerate.py): drawn from a seed, or converted from a pinned package (model.source.package)
+RANDOM_INIT, PACKAGE = "random-init", "package"
+_PACKAGE_FIELDS = ("name", "version", "file", "sha256")
 _NAMES = ("family", "tokenizer_type")
 # config.text / config.audio: the sizes `inspect` shows (required) and the others (checked when present)
 _CONFIG_REQUIRED = {"text": ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads"), "audio": ("dim", "n_layers")}
@@ -119,6 +124,8 @@ def check_model(m: Any) -> None:
         for key in ("kind", "name", "weights_digest"):
             if src.get(key) is not None:
                 need(isinstance(src[key], str), f"model.source.{key}", src[key], "a string")
+        if src.get("kind") == PACKAGE or "package" in src:
+            _check_package(_get(src, "package", "model.source"))
     for key in ("compile_seconds", "compile_cached"):
         if key in m:
             need(isinstance(m[key], dict), f"model.{key}", m[key], "an object of method name -> value")
@@ -152,6 +159,16 @@ def _check_record(m: dict, key: str, fields: dict, required: tuple[str, ...]) ->
     for name, (ok, what) in fields.items():
         if name in r:
             need(ok(r[name]), f"model.{key}.{name}", r[name], what)
+
+
+def _check_package(p: Any) -> None:
+    """The pinned distribution a bundle's weights are converted from: its name and version, and the converted
+    file's path inside it and sha256."""
+    need(isinstance(p, dict), "model.source.package", p, "an object with name, version, file and sha256")
+    for key in _PACKAGE_FIELDS:
+        v = _get(p, key, "model.source.package")
+        need(isinstance(v, str) and v, f"model.source.package.{key}", v, "a non-empty string")
+    need(is_digest(p["sha256"]), "model.source.package.sha256", p["sha256"], "a sha256 (64 lowercase hex digits)")
 
 
 def _check_config(c: Any) -> None:

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--regenerate",
         type=Path,
         metavar="DIR",
-        help="draw the weights of a random-init bundle that travelled without them (as CI artifacts do), each "
+        help="make again the weights of a bundle that travelled without them (as CI artifacts do): a random-init "
+        "bundle's drawn from its seed, Whisper tiny.en's converted from the pinned package (the whisper extra); each "
         "checked against the manifest's sha256; nothing is compiled",
     )
     p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")

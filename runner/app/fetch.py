@@ -25,7 +25,14 @@ import requests
 
 from runner.app.archive import CHUNK, MAX_ARCHIVE_BYTES, extract_zip
 from runner.app.github import GitHub, GitHubAccess, RetryPolicy, quiet_urllib3, redact
-from runner.bundle import MANIFEST_NAME, bundle_digest, verify_bundle
+from runner.bundle import (
+    MANIFEST_NAME,
+    bundle_digest,
+    missing_weights,
+    read_manifest,
+    regenerable_weights,
+    verify_bundle,
+)
 from runner.errors import BundleError, Cancellation, FetchError
 from runner.publish import PROVENANCE_NAME, PublishError, absolute_destination, check_free_space, make_stage, publish
 
@@ -318,7 +325,10 @@ class _Download:
         if manifest is None:
             return _Staged(staged, digest, f"{sum(1 for p in staged.rglob('*') if p.is_file())} files")
         write_provenance(staged, self.gh.api_url, self.ref.repo, self.run, self.artifact, digest)
-        return _Staged(staged, digest, f"{len(manifest.files)} files verified against {MANIFEST_NAME}")
+        what = f"{len(manifest.files)} files verified against {MANIFEST_NAME}"
+        if missing_weights(staged, manifest):  # an artifact of a bundle whose weights are made again
+            what += f"; its weights travel apart: make them with `python -m runner export --regenerate {self.shown_as}`"
+        return _Staged(staged, digest, what)
 
     def _unpack(self, archive: Path, staged: Path, bundle: bool):
         """Extract the zip into `staged` and remove it; a bundle's manifest is verified and returned."""
@@ -329,7 +339,7 @@ class _Download:
             # digest cache's key holds, and the first run would hash everything again
             for p in (staged, *staged.rglob("*")):
                 p.chmod(0o755 if p.is_dir() else 0o644)
-            return verify_bundle(staged) if bundle else None
+            return verify_bundle(staged, absent=regenerable_weights(read_manifest(staged))) if bundle else None
         except BundleError as e:
             shown = str(e).replace(str(staged), str(self.shown_as))
             raise FetchError(

@@ -55,15 +55,19 @@ HF_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
 class ModelSource:
     """What the bundle's weights are, recorded in the manifest and hashed into the compile cache key."""
 
-    kind: str  # "checkpoint" | "random-init"
+    kind: str  # "checkpoint" | "random-init" | "package"
     name: str  # checkpoint dir name or preset name
     weights_digest: str
     seed: int | None = None
     generator: str | None = None  # random-init: what drew the weights (runner/export/regenerate.py draws them again)
+    # package: the pinned distribution the weights are converted from, {name, version, file, sha256}
+    # (runner/export/regenerate.py converts them again from the installed package)
+    package: dict[str, str] | None = None
 
     def to_dict(self) -> dict:
         d = {"kind": self.kind, "name": self.name, "weights_digest": self.weights_digest, "seed": self.seed}
-        return d | ({"generator": self.generator} if self.generator else {})
+        d |= {"generator": self.generator} if self.generator else {}
+        return d | ({"package": dict(self.package)} if self.package else {})
 
 
 def _rename(key: str, pairs: tuple[tuple[str, str], ...], backward: bool = False) -> str:

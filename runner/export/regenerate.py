@@ -5,6 +5,11 @@ here, checks each file against the manifest before it is moved into place, and o
 A 3B random-init bundle is 9.35 GB of weights and a few hundred MB of `.so`: the weights are what an artifact
 upload, two downloads and a `fetch` would move. Regenerating them on the GPU takes seconds.
 
+A bundle whose weights are converted from a pinned package (Whisper tiny.en: `model.source.package` names the
+distribution, its version and the converted file's sha256) travels without them too: they are converted again
+from the installed package (its files checked against the pin before a byte is parsed), then checked against the
+manifest the same way. A package that is not installed, or not the pinned one, is one line naming what to install.
+
 Weight files already there are checked against their digests as well: one that differs (a flipped byte, a cut
 download) is drawn again and replaced (renamed over, never written into); a link is refused, never written
 through (the file it points to may be someone else's). What this reports as there or drawn passes
@@ -21,9 +26,8 @@ from pathlib import Path
 from runner.bundle import MANIFEST_NAME, FileEntry, Manifest, read_manifest, safe_member, weight_files
 from runner.digests import DigestCache, sha256_file
 from runner.errors import BundleError, RunnerError
-from runner.manifest_fields import MAX_SEED, in_range
+from runner.manifest_fields import MAX_SEED, PACKAGE, RANDOM_INIT, in_range
 
-RANDOM_INIT = "random-init"  # ModelSource.kind of random_model's weights
 MISSING = "missing"
 
 
@@ -107,23 +111,39 @@ def _draw(bundle_dir: Path, manifest: Manifest, family, progress) -> dict[str, d
         check=False,
         pdl=bool(meta.get("pdl", False)),
     )
-    if progress:
-        progress("weights", f"drawing {source['name']} (seed {source['seed']}) on {manifest.device}")
-    model, drawn = family.redraw.random_model(
-        source["name"], source["seed"], torch.bfloat16 if dtype == "bf16" else torch.float32, manifest.device
-    )
+    if source["kind"] == PACKAGE:
+        model, drawn = _convert(bundle_dir, source["package"], family, progress)
+    else:
+        if progress:
+            progress("weights", f"drawing {source['name']} (seed {source['seed']}) on {manifest.device}")
+        model, drawn = family.redraw.random_model(
+            source["name"], source["seed"], torch.bfloat16 if dtype == "bf16" else torch.float32, manifest.device
+        )
     if drawn.weights_digest != source["weights_digest"]:
+        what = "the package's weights are" if source["kind"] == PACKAGE else f"the preset {source['name']!r} is"
         raise RunnerError(
-            f"{bundle_dir}: the preset {source['name']!r} is not the one this bundle was made from (its config "
-            "changed since); export it again"
+            f"{bundle_dir}: {what} not the one this bundle was made from (its config changed since); export it again"
         )
     model, _ = prepare(model, drawn, opts, family)
     if quant:
         apply_quant(model, family, quant["scheme"], quant["group_size"])
     tensors = {}
     for plan in family.redraw.plan_methods(model, opts):  # the family's methods give each weight file's tensors
-        tensors.setdefault(plan.spec.weights, method_weights(plan))
+        tensors.setdefault(plan.spec.weights, method_weights(plan, family.redraw.weights_filter))
     return tensors
+
+
+def _convert(bundle_dir: Path, package: dict, family, progress):
+    """(model, its source record): converted again from the installed package the manifest pins; one line naming
+    what to install where it is missing or not the pinned one."""
+    if progress:
+        progress("weights", f"converting {package['file']} of {package['name']} {package['version']} again")
+    try:
+        return family.redraw.package_model(package)
+    except RunnerError as e:
+        raise RunnerError(
+            f"{bundle_dir}: its weights are converted from {package['name']} {package['version']}: {e}"
+        ) from None
 
 
 def _put(bundle_dir: Path, name: str, tensors: dict, want: str) -> None:
@@ -154,21 +174,24 @@ def _check_can_regenerate(bundle_dir: Path, manifest: Manifest, todo: dict[str, 
 
     name, why = next(iter(todo.items()))
     source = manifest.model.get("source") if isinstance(manifest.model, dict) else None
-    if not isinstance(source, dict) or source.get("kind") != RANDOM_INIT:
-        kind = source.get("kind") if isinstance(source, dict) else None
+    kind = source.get("kind") if isinstance(source, dict) else None
+    if kind not in (RANDOM_INIT, PACKAGE):
         raise RunnerError(
             f"{bundle_dir}: weights {why} ({name}), and they come from {kind or 'an unknown source'}, not random "
-            "init: only random-init weights can be drawn again; fetch the bundle with its weights"
+            "init or a pinned package: only random-init weights can be drawn again, and a pinned package's "
+            "converted again; fetch the bundle with its weights"
         )
     _check_source(bundle_dir, source)
     family = registry.family(manifest.model["family"])
-    if family.redraw is None:
+    way = "package_model" if kind == PACKAGE else "random_model"
+    if family.redraw is None or getattr(family.redraw, way) is None:
+        able = registry.taking(lambda f: f.redraw is not None and getattr(f.redraw, way) is not None)
         raise RunnerError(
-            f"{bundle_dir}: the weights of a {family.name} bundle cannot be drawn again (only "
-            f"{registry.taking(lambda f: f.redraw is not None)} bundles'); fetch the bundle with its weights"
+            f"{bundle_dir}: the weights of a {family.name} bundle from {kind} cannot be made again (only "
+            f"{able or 'no'} bundles'); fetch the bundle with its weights"
         )
     made_by, here = source.get("generator"), generator_id(manifest.device)
-    if made_by != here:
+    if kind == RANDOM_INIT and made_by != here:  # a package's are converted, not drawn: no generator to match
         raise RunnerError(
             f"{bundle_dir}: its weights were drawn by {made_by or 'an older exporter'}; this machine has {here}, "
             "which gives other numbers for the same seed: regenerate them with that torch on that device, or export "
@@ -179,10 +202,14 @@ def _check_can_regenerate(bundle_dir: Path, manifest: Manifest, todo: dict[str, 
 
 
 def _check_source(bundle_dir: Path, source: dict) -> None:
-    """The record random_model is called with: a preset name, a seed torch takes, the digest to compare."""
+    """The record random_model is called with: a preset name, a seed torch takes, the digest to compare (a
+    package's record, `model.source.package`, was checked as the manifest was read)."""
+    seed = [] if source["kind"] == PACKAGE else [
+        ("seed", lambda v: in_range(v, 0, MAX_SEED), f"a whole number from 0 to {MAX_SEED}")
+    ]  # fmt: skip
     for key, ok, what in (
         ("name", lambda v: isinstance(v, str) and v, "a preset name"),
-        ("seed", lambda v: in_range(v, 0, MAX_SEED), f"a whole number from 0 to {MAX_SEED}"),
+        *seed,
         ("weights_digest", lambda v: isinstance(v, str), "a sha256"),
     ):
         if not ok(source.get(key)):

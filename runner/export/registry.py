@@ -47,10 +47,13 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Redraw:
-    """How a random-init bundle's weights are drawn again (runner/export/regenerate.py)."""
+    """How a bundle's weights are made again from the manifest's record (runner/export/regenerate.py): drawn from a
+    seed (random init) or converted again from a pinned package."""
 
-    random_model: Callable  # (preset, seed, dtype, device) -> (model, ModelSource)
+    random_model: Callable | None  # (preset, seed, dtype, device) -> (model, ModelSource); None: none drawn
     plan_methods: Callable  # (model, ExportOptions) -> list[MethodPlan]: which weights go in which file
+    package_model: Callable | None = None  # (the manifest's model.source.package) -> (model, ModelSource)
+    weights_filter: Callable | None = None  # (method, fqn) -> kept: as the family's export passes build_bundle
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class ExportFamily:
     batching: bool = False  # takes --max-batch > 1 (a batched decode step)
     streams: bool = False  # takes --max-streams (stream slots batched in one step)
     quant_modules: tuple[str, ...] = ()  # what --quant int4 replaces (fnmatch over module names); empty: no --quant
-    redraw: Redraw | None = None  # random-init weights can be drawn again from the manifest's record
+    redraw: Redraw | None = None  # its weights can be made again from the manifest's record
 
 
 REGISTERED: dict[str, ExportFamily] = {}

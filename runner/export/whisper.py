@@ -25,7 +25,7 @@ from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
 from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
 from runner.export.quant import apply_quant
-from runner.export.registry import ExportFamily, Loaded, LoadRequest, register
+from runner.export.registry import ExportFamily, Loaded, LoadRequest, Redraw, register
 from runner.families.whisper import NAME, SPECIAL_TOKENS, TOKENIZER_TYPE, WhisperTokenizer
 from runner.models import whisper
 from runner.models.whisper import Whisper
@@ -175,8 +175,12 @@ def export_whisper(
         opts,
         progress,
         family_key={"family": NAME, "sources": source_digest(SOURCE_FILES)},
-        weights_filter=lambda method, fqn: not any(u in fqn for u in UNUSED.get(method, ())),
+        weights_filter=keeps_weight,
     )
+
+
+def keeps_weight(method: str, fqn: str) -> bool:
+    return not any(u in fqn for u in UNUSED.get(method, ()))
 
 
 def load(request: LoadRequest) -> Loaded:
@@ -187,8 +191,23 @@ def load(request: LoadRequest) -> Loaded:
     return Loaded(request.preset, model, source, tokenizer)
 
 
+def package_model(record: dict):
+    """The model a bundle's manifest pins (`model.source.package`), converted again (`export --regenerate`)."""
+    from runner.export.whisper_convert import load_pinned
+
+    return load_pinned(record)
+
+
+def weight_plans(model: Whisper, opts: ExportOptions) -> list[MethodPlan]:
+    """The methods' plans for `export --regenerate`, which reads only which weights each method's file holds: the
+    alignment method's are the decoder's whatever id its probabilities stop at (`eot`, a constant of its graph,
+    not a weight)."""
+    return plan_methods(model, opts, eot=model.config.text.vocab_size)
+
+
 EXPORT = register(
     ExportFamily(
-        NAME, presets=(PRESET,), load=load, export=export_whisper, methods=METHOD_NAMES, quant_modules=QUANT_MODULES
+        NAME, presets=(PRESET,), load=load, export=export_whisper, methods=METHOD_NAMES, quant_modules=QUANT_MODULES,
+        redraw=Redraw(None, weight_plans, package_model=package_model, weights_filter=keeps_weight),
     )
-)
+)  # fmt: skip

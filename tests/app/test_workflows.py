@@ -229,6 +229,20 @@ def test_ci_installs_the_cpu_torch_wheel():
     assert all(job["runs-on"] == "ubuntu-latest" for job in load(FILES["ci"])["jobs"].values())
 
 
+def test_each_e2e_cell_generates_as_many_tokens_as_its_golden_tokens_were_made_with():
+    """Whisper's long form cut at fewer tokens a window seeks elsewhere: its golden tokens and WER would fail."""
+    e2e = load(FILES["ci"])["jobs"]["e2e"]
+    (step,) = [s for s in steps(e2e) if "nox -s e2e" in s.get("run", "")]
+    assert '--max-new-tokens "$MAX_NEW_TOKENS"' in step["run"]
+    assert expr(step["env"]["MAX_NEW_TOKENS"]) == "matrix.max-new-tokens || env.MAX_NEW_TOKENS"
+    assert expr(load(FILES["ci"])["env"]["MAX_NEW_TOKENS"]) == "inputs.max-new-tokens || 32"
+    golden = {"tiny": "tiny.json", "whisper-tiny": "whisper-tiny.en.json"}  # tiny-realtime streams to the end
+    for cell in e2e["strategy"]["matrix"]["include"]:
+        if cell["model"] in golden:
+            made = json.loads((ROOT / "fixtures" / "golden" / golden[cell["model"]]).read_text())["max_new_tokens"]
+            assert cell.get("max-new-tokens", 32) == made, cell["cell"]
+
+
 # ---- triggers and inputs -------------------------------------------------------------------------------------
 
 

@@ -603,7 +603,8 @@ def test_job_summary_renders_records_and_plain_objects(tmp_path):
 @pytest.mark.parametrize(
     ("env", "venv", "torch_args"),
     [
-        ({}, {}, ("torch==2.13.0",)),
+        ({}, {}, ("--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu")),  # Linux, no GPU
+        ({"TORCH_SPEC": "torch==2.13.0"}, {}, ("torch==2.13.0",)),
         ({"TORCH_SPEC": "torch==2.13.0+cpu", "TORCH_INDEX": "https://download.pytorch.org/whl/cpu"}, {},
          ("--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu")),
         ({"TORCH_SPEC": "preinstalled"}, {"venv_params": ["--system-site-packages"]}, None),
@@ -618,11 +619,15 @@ def test_nox_installs_torch_alone_from_its_index_or_takes_the_preinstalled_one(m
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no nvidia-smi: a machine without a GPU
     nox_file = load_module("noxfile_torch_modes", ROOT / "noxfile.py")
     assert nox_file.VENV == venv
     installed, ran = [], []
 
     class Session:
+        venv_backend = "none"
+
         def run(self, *args, **kw):
             ran.append(args)
 

@@ -301,6 +301,8 @@ def mode_golden(c: Call) -> str:
         c.check(c.run([sys.executable, *write], log=log), f"{name} golden", log)
         if not c.dry:
             shutil.copy(golden / file, c.out / file)
+            if name == "3b":  # 9 GB the act mode's jobs need on this disk for their own copies
+                shutil.rmtree(ROOT / out)
         notes.append(f"{name}: {(c.lines(log, 'artifacts/golden') or [file])[-1]}")
     return "; ".join(notes)
 

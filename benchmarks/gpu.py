@@ -293,8 +293,8 @@ def mode_golden(c: Call) -> str:
         c.check(c.nox("export-artifact", *args, log=log, env=env), f"{name} export", log)
         if not (golden / file).exists() and (ROOT / "fixtures" / "golden" / file).exists():
             shutil.copy(ROOT / "fixtures" / "golden" / file, golden / file)
-        audio = [str(ROOT / "fixtures" / "audio" / a) for a in GOLDEN_AUDIO]
-        run = ["--bundle", out, "--audio", *audio, "--max-new-tokens", "32", "--reference", "eager", "--json"]
+        audio = [x for a in GOLDEN_AUDIO for x in ("--audio", str(ROOT / "fixtures" / "audio" / a))]
+        run = ["--bundle", out, *audio, "--max-new-tokens", "32", "--reference", "eager", "--json"]
         c.check(c.runner("run", *run, stdout=f"golden_{name}.jsonl", log=log, env=env), f"{name} run", log)
         write = [str(ROOT / "ci_scripts" / "golden_tokens.py"), "--bundle", out, "--records"]
         write += [str(c.out / f"golden_{name}.jsonl"), "--golden", str(golden / file), "--replace"]

@@ -323,10 +323,11 @@ def mode_act(c: Call) -> str:
         node.chmod(0o755)
     for made in sorted((ROOT / "artifacts" / "golden").glob("*.json")):
         shutil.copy(made, ROOT / "fixtures" / "golden" / made.name)
-    if not (ROOT / ".git").exists():
-        git = ["git", "-c", "user.name=gpu", "-c", "user.email=gpu@localhost"]
-        for cmd in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "this tree"]):
-            c.check(c.run([*git, *cmd], log="act.log"), "git " + cmd[0], "act.log")
+    # checkout fetches HEAD: this tree as it is, committed (a .git that came with the tree may be older than it)
+    git = ["git", "-c", "user.name=gpu", "-c", "user.email=gpu@localhost"]
+    todo = [] if (ROOT / ".git").exists() else [["init", "-q", "-b", "main"]]
+    for cmd in (*todo, ["add", "-A"], ["commit", "-q", "--allow-empty", "-m", "this tree"]):
+        c.check(c.run([*git, *cmd], log="act.log"), "git " + cmd[0], "act.log")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VOXTRAL_RUNNER_CACHE", "TRITON_CACHE_DIR")}
     env["PATH"] = os.pathsep.join([str(node.parent), "/tmp/site/bin", env["PATH"]])
     cmd = [sys.executable, "ci_scripts/act.py", "--workflow", ".github/workflows/cuda.yml", "--host-python"]

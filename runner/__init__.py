@@ -7,8 +7,8 @@ As a library (runner/app/api.py):
     with runner.load("artifacts/voxtral-bundle-tiny-cpu-fp32-torch2.13") as model:
         print(model.transcribe("fixtures/audio/speech.wav").text)
 
-`load`, `Model`, `Stream`, `Transcription` and `Delta` are imported on first use: `import runner` (and the CLI's
-`--help`) stays free of torch and numpy. Type checkers read their types from __init__.pyi."""
+`load`, `Model`, `Stream`, `StreamSlots`, `Transcription` and `Delta` are imported on first use: `import runner`
+(and the CLI's `--help`) stays free of torch and numpy. Type checkers read their types from __init__.pyi."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_API = ("Delta", "Model", "Stream", "Transcription", "load")
+_API = ("Delta", "Model", "Stream", "StreamSlots", "Transcription", "load")
 __all__ = [*_API, "__version__"]
 
 

@@ -2,6 +2,7 @@
 from runner.app.api import Delta as Delta
 from runner.app.api import Model as Model
 from runner.app.api import Stream as Stream
+from runner.app.api import StreamSlots as StreamSlots
 from runner.app.api import Transcription as Transcription
 from runner.app.api import load as load
 

@@ -138,17 +138,27 @@ def as_random_init(bundle: Path, dest: Path, **source) -> Path:
     return dest
 
 
-@pytest.fixture(scope="session")
-def realtime_bundle(tmp_path_factory) -> Path:
-    """tiny-realtime exported once for the session (its compiles from the cache)."""
+def export_realtime(out: Path, **opts) -> Path:
+    """tiny-realtime exported (its compiles from the cache)."""
     from runner.export.registry import LoadRequest
     from runner.export.voxtral_realtime import export_voxtral_realtime
     from runner.export.voxtral_realtime import load as load_checkpoint
 
     loaded = load_checkpoint(LoadRequest("tiny-realtime", None))
-    out = tmp_path_factory.mktemp("rt") / "tiny-realtime"
-    export_voxtral_realtime(loaded.model, loaded.source, loaded.tokenizer, out, ExportOptions(cache_dir=CACHE))
+    export_voxtral_realtime(loaded.model, loaded.source, loaded.tokenizer, out, ExportOptions(cache_dir=CACHE, **opts))
     return out
+
+
+@pytest.fixture(scope="session")
+def realtime_bundle(tmp_path_factory) -> Path:
+    """tiny-realtime exported once for the session, with the export's default stream slots (8 on the CPU)."""
+    return export_realtime(tmp_path_factory.mktemp("rt") / "tiny-realtime")
+
+
+@pytest.fixture(scope="session")
+def realtime_slots_bundle(tmp_path_factory) -> Path:
+    """tiny-realtime with 4 stream slots (--max-streams 4): few enough that a test fills every one."""
+    return export_realtime(tmp_path_factory.mktemp("rt") / "tiny-realtime-4", max_streams=4)
 
 
 def parse_error(argv: list[str], capsys) -> str:

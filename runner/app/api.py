@@ -7,68 +7,31 @@ a time or many through continuous batching, or audio streamed into a realtime bu
         print(model.transcribe("fixtures/audio/speech.wav").text)
 
 The CLI's verbs are users of the same pieces: the program, engine and runner loaded as `run` loads them
-(runner/app/transcriber.py), the inputs made files (runner/app/audio_inputs.py), and a stream's record as `stream`
-gives it (runner/app/stream_record.py). A Transcription's `to_dict()` holds what `run --json` (or `stream --json`)
-says of the same audio. Nothing here reads the environment: the runtime switches are `load`'s arguments."""
+(runner/app/transcriber.py), the inputs made files (runner/app/audio_inputs.py), the streams over the bundle's
+stream slots (runner/app/streams.py) and a stream's record as `stream` gives it (runner/app/stream_record.py). A
+Transcription's `to_dict()` holds what `run --json` (or `stream --json`) says of the same audio. Nothing here reads
+the environment: the runtime switches are `load`'s arguments."""
 
 from __future__ import annotations
 
 import copy
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from runner.app.audio_inputs import Audio, audio_file, mono_samples
-from runner.app.stream_record import stream_stats, timed
+from runner.app.audio_inputs import Audio, audio_file
+from runner.app.streams import Stream, StreamSlots
 from runner.app.transcriber import Transcriber, load_program, segments_of
-from runner.audio import SAMPLE_RATE
+from runner.app.transcription import Delta, Transcription
 from runner.errors import GenerationError, RunnerError
 from runner.families import Capabilities, family_for
-from runner.families.voxtral_realtime import StreamSession, program_steps
-from runner.families.voxtral_realtime.times import token_times
+from runner.families.voxtral_realtime import program_steps
 from runner.runtime.batch import Job, JobResult, generate_many
 from runner.runtime.generate import GenerationOptions
 from runner.runtime.options import RuntimeOptions
-from runner.runtime.results import GenerationResult, Segment, Word
+from runner.runtime.results import GenerationResult
 
-__all__ = ["Delta", "Model", "Stream", "Transcription", "load"]
-
-
-@dataclass(frozen=True)
-class Transcription:
-    """One input's transcript: its text, timed segments, tokens and stats; `source` is its path (None for bytes
-    or an array) and `index` its place among the inputs given (0 for one)."""
-
-    text: str
-    segments: tuple[Segment, ...]
-    language: str | None
-    tokens: tuple[int, ...]
-    stats: dict = field(repr=False)
-    source: str | None = None
-    index: int = 0
-
-    def to_dict(self) -> dict:
-        return {
-            "source": self.source,
-            "index": self.index,
-            "text": self.text,
-            "language": self.language,
-            "tokens": list(self.tokens),
-            "segments": [s.to_dict() for s in self.segments],
-            "stats": dict(self.stats),
-        }
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Text a stream decided, with the stream time (seconds from its start) of the audio it was heard in."""
-
-    text: str
-    start: float
-    end: float
+__all__ = ["Delta", "Model", "Stream", "StreamSlots", "Transcription", "load"]
 
 
 def load(
@@ -97,8 +60,9 @@ def load(
 
 
 class Model:
-    """A loaded bundle. `transcribe` and `transcribe_many` for the bundles that take whole files, `stream` for
-    the realtime ones (capabilities.streaming). One call at a time: the bundle's KV cache is shared state."""
+    """A loaded bundle. `transcribe` and `transcribe_many` for the bundles that take whole files, `stream` and
+    `stream_slots` for the realtime ones (capabilities.streaming). One call at a time: the bundle's KV cache is
+    shared state."""
 
     def __init__(self, bundle: str | os.PathLike, options: RuntimeOptions | None = None, device: str | None = None):
         bundle_dir = Path(bundle)
@@ -134,8 +98,14 @@ class Model:
     @property
     def max_batch(self) -> int:
         """How many inputs `transcribe_many` decodes at once at most (the bundle's --max-batch; 1 for a
-        streaming bundle, whose streams go one at a time here)."""
+        streaming bundle, whose streams `max_streams` counts)."""
         return self._whole.engine.max_batch if self._whole is not None else 1
+
+    @property
+    def max_streams(self) -> int:
+        """How many streams `stream_slots()` holds at once (the bundle's --max-streams; 0 for a bundle that
+        takes whole inputs)."""
+        return self._steps.streams if self._steps is not None else 0
 
     @property
     def device(self) -> str:
@@ -269,13 +239,19 @@ class Model:
     # ------------------------------------------------ streams
 
     def stream(self, on_delta: Callable[[Delta], None] | None = None) -> Stream:
-        """A stream into a realtime bundle: `push` audio as it arrives, then `finish`. One stream at a time."""
-        self._check_open()
-        if self._steps is None:
-            raise GenerationError(
-                f"{self.name}: a {self.family} bundle transcribes whole inputs: use Model.transcribe(), not stream()"
-            )
-        return Stream(self, on_delta)
+        """A stream into a realtime bundle: `push` audio as it arrives, then `finish`. It holds the model's
+        streams while open (for several at once: stream_slots())."""
+        slots = self.stream_slots()
+        try:
+            return Stream(slots, on_delta, own=True)
+        except BaseException:
+            slots.close()
+            raise
+
+    def stream_slots(self) -> StreamSlots:
+        """The bundle's `max_streams` stream slots, to stream several at once (runner/app/streams.py): `open()` a
+        Stream in each, and push into any. They hold the model's streams until closed (use them in a `with`)."""
+        return StreamSlots(self)
 
     # ------------------------------------------------ the model's life
 
@@ -300,103 +276,6 @@ class Model:
         return f"<runner.Model {self.name} ({self.family}, {state})>"
 
 
-class Stream:
-    """Audio into a realtime bundle as it arrives. `push(pcm)` takes float32 samples at 16 kHz (mono, or
-    (n, channels) averaged) or bytes of s16le mono PCM, and gives the text deltas it decided; `finish()` ends the
-    stream (its right padding decides the last tokens, whose deltas go to `on_delta` and `deltas`) and gives the
-    Transcription: the same tokens and text as `python -m runner stream --json` on the same audio."""
-
-    def __init__(self, model: Model, on_delta: Callable[[Delta], None] | None = None):
-        self._model, self._on_delta = model, on_delta
-        family = model._family
-        self._tok, self._spec = family.tokenizer, family.spec
-        self._lock = model._program.state_lock  # the state rows are the model's: one stream (or call) at a time
-        if not self._lock.acquire(blocking=False):
-            raise GenerationError(f"{model.name}: a stream is already open on this model; finish it first")
-        try:
-            self._session = StreamSession(model._steps, self._spec)
-        except BaseException:
-            self._lock.release()
-            raise
-        self._decoder = family.decoder()
-        self._odd = b""  # a byte of an s16 sample split across pushes
-        self.deltas: list[Delta] = []  # every delta so far, in order
-        self._open = True
-
-    def push(self, pcm: np.ndarray | bytes) -> list[Delta]:
-        """Feed audio; the deltas of the tokens it decided (none until the model's delay has passed)."""
-        self._check_open()
-        samples = self._samples(pcm)
-        n = len(self._session.tokens)
-        self._session.feed(samples)
-        return self._deltas(n)
-
-    def finish(self) -> Transcription:
-        """End the stream: the last tokens, then the whole transcript. The stream is closed after."""
-        self._check_open()
-        n = len(self._session.tokens)
-        try:
-            self._session.finish()
-            self._deltas(n, final=True)
-            return self._transcription()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Give the model's stream slot back (finish() does); the stream takes no more audio."""
-        if self._open:
-            self._open = False
-            self._lock.release()
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        self._model._check_open()
-        if not self._open:
-            raise GenerationError("the stream is finished; open another with Model.stream()")
-
-    def _samples(self, pcm: np.ndarray | bytes) -> np.ndarray:
-        if isinstance(pcm, bytes | bytearray | memoryview):
-            data = self._odd + bytes(pcm)
-            cut = len(data) - len(data) % 2
-            self._odd = data[cut:]
-            return np.frombuffer(data[:cut], dtype="<i2").astype(np.float32) * np.float32(1 / 32768.0)
-        if np.asarray(pcm).size == 0:  # nothing arrived yet: nothing to decide
-            return np.zeros(0, np.float32)
-        return mono_samples(pcm, "pushed audio")
-
-    def _deltas(self, first: int, final: bool = False) -> list[Delta]:
-        """The deltas of the tokens from index `first` on (and, at the end, the decoder's held-back bytes)."""
-        s = self._session.stream
-        times = token_times(self._spec, s.positions[first:])
-        out = []
-        for token, (start, end) in zip(s.tokens[first:], times):
-            text = self._decoder.feed(token) if token < self._tok.vocab_size else ""
-            if text:
-                out.append(Delta(text, start, end))
-        tail = self._decoder.flush() if final else ""
-        if tail:
-            end = token_times(self._spec, s.positions[-1:])[0][1] if s.positions else 0.0
-            out.append(Delta(tail, end, end))
-        for d in out:
-            self.deltas.append(d)
-            if self._on_delta is not None:
-                self._on_delta(d)
-        return out
-
-    def _transcription(self) -> Transcription:
-        """What `stream --json` records of the stream (runner/app/stream_record.py), as a Transcription."""
-        s, tok = self._session.stream, self._tok
-        text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
-        segments = tuple(_segment(r) for r in timed(tok, self._spec, s)["segments"])
-        stats = stream_stats(self._session, self._spec, s.received / SAMPLE_RATE)
-        return Transcription(text, segments, None, tuple(s.tokens), stats, None, 0)
-
-
 # ---------------------------------------------------------------- inputs and results
 
 
@@ -417,19 +296,4 @@ def _transcription(result: GenerationResult, language: str | None, source: str |
         stats=result.stats.to_dict(),
         source=source,
         index=index,
-    )
-
-
-def _segment(record: dict) -> Segment:
-    """A stream's segment record (runner/families/voxtral_realtime/times.py) as a Segment with its Words."""
-    words = tuple(Word(w["word"], w["start"], w["end"], w["probability"]) for w in record["words"])
-    return Segment(
-        record["start"],
-        record["end"],
-        record["text"],
-        tuple(record["tokens"]),
-        avg_logprob=record["avg_logprob"],
-        no_speech_prob=record["no_speech_prob"],
-        temperature=record["temperature"],
-        words=words,
     )

@@ -219,7 +219,7 @@ class Service:
         self.engine = Engine(model, self.max_batch, options.max_queue, options.max_new_tokens, self.metrics)
         self.metrics.queue.set_function(self.engine.depth)
         self.created = int(time.time())
-        self.realtime = Realtime(model, options.max_queue)
+        self.realtime = Realtime(model, options.max_queue, options.realtime_idle_s)
         self.app = Starlette(
             routes=[
                 self._route("/health", self._health, auth=False),

@@ -12,6 +12,7 @@ from runner.app.run_args import number, whole
 
 MAX_QUEUE = 100_000
 MAX_UPLOAD_MB = 100_000.0
+MAX_IDLE_S = 24 * 3600.0  # a day: past it a silent connection is abandoned, not idle
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ServeOptions:
     max_upload_bytes: int = 200 * 2**20
     max_queue: int = 64
     max_new_tokens: int | None = None
+    realtime_idle_s: float = 60.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -36,6 +38,7 @@ class ServeOptions:
             max_upload_bytes=int(args.max_upload_mb * 2**20),
             max_queue=args.max_queue,
             max_new_tokens=args.max_new_tokens,
+            realtime_idle_s=args.realtime_idle_s,
         )
 
 
@@ -75,7 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64,
         metavar="N",
         help="requests waiting for the model at most; one more is refused (429, Retry-After); on a realtime bundle, "
-        "connections waiting for the stream (one more gets a queue_full error event)",
+        "connections waiting for a stream slot (one more gets a queue_full error event)",
+    )
+    p.add_argument(
+        "--realtime-idle-s",
+        type=number(0.0, MAX_IDLE_S),
+        default=60.0,
+        metavar="S",
+        help="close a /v1/realtime connection that sends nothing for S seconds (an idle_timeout error event first; "
+        "its stream slot is given back)",
     )
     p.add_argument(
         "--max-new-tokens",

@@ -9,9 +9,11 @@
 
 `audio` is base64 PCM16 (s16le) mono at 16 kHz. An utterance's first append opens a stream on the model, commit
 finishes it (its transcript is `stream --json`'s text of the same samples); the connection stays open for the next.
-The model holds one stream at a time: a connection's utterance takes the one slot from its first append to its
-commit (or clear, or disconnect), and the others wait for it, in order, at most --max-queue of them. Every call into
-the model runs on one thread of its own (the KV cache is shared state)."""
+The bundle's stream slots (its export's --max-streams) serve as many utterances at once, stepped together on the
+stream engine's thread (runner/app/serve_streams.py), each one's text what it gets alone; an utterance takes a slot
+from its first append to its commit (or clear, or disconnect), and past the slots connections wait for one, in
+order, at most --max-queue of them. A connection that sends nothing for --realtime-idle-s gets an `idle_timeout`
+error event and is closed, its slot given back."""
 
 from __future__ import annotations
 
@@ -20,15 +22,13 @@ import base64
 import binascii
 import contextlib
 import json
-import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from runner.app.serve_streams import StreamEngine
 from runner.errors import RunnerError
-
-log = logging.getLogger(__name__)
 
 DELTA = "conversation.item.input_audio_transcription.delta"
 COMPLETED = "conversation.item.input_audio_transcription.completed"
@@ -43,25 +43,23 @@ class EventError(Exception):
 
 
 class Realtime:
-    """The realtime side of one served Model: its one stream slot, the queue before it and the thread that runs
-    the model. `close()` waits for what that thread is running."""
+    """The realtime side of one served Model: its stream slots, the queue before them and the engine whose thread
+    runs the model. `close()` waits for that thread to end."""
 
-    def __init__(self, model, max_waiting: int):
-        self.model, self.max_waiting = model, max_waiting
-        self.waiting = 0  # connections waiting for the slot
-        self._slot: asyncio.Lock | None = None  # made on the server's loop, at first use
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runner-realtime")
+    def __init__(self, model, max_waiting: int, idle_s: float):
+        self.model, self.max_waiting, self.idle_s = model, max_waiting, idle_s
+        self.waiting = 0  # connections waiting for a slot
+        self.streaming = 0  # connections with an utterance in a slot
+        self.engine = StreamEngine(model)
+        self._slots: asyncio.Semaphore | None = None  # made on the server's loop, at first use
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self.engine.stop()
 
     async def acquire(self) -> None:
-        if self._slot is None:
-            self._slot = asyncio.Lock()
-        if self._slot.locked() and self.waiting >= self.max_waiting:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.model.max_streams)
+        if self._slots.locked() and self.waiting >= self.max_waiting:
             raise EventError(
                 f"the server is busy ({self.max_waiting} streams waiting): try again",
                 "queue_full",
@@ -69,15 +67,18 @@ class Realtime:
             )
         self.waiting += 1
         try:
-            await self._slot.acquire()
+            await self._slots.acquire()
         finally:
             self.waiting -= 1
+        self.streaming += 1
 
     def release(self) -> None:
-        self._slot.release()
+        self.streaming -= 1
+        self._slots.release()
 
     async def serve(self, websocket: WebSocket) -> None:
-        """One accepted connection, until the client goes."""
+        """One accepted connection, until the client goes (or idles past idle_s)."""
+        self.engine.start()
         connection = _Connection(self, websocket)
         try:
             await connection.run()
@@ -85,10 +86,12 @@ class Realtime:
             pass
         finally:
             await connection.drop()
+            await connection.flush()
 
 
 class _Connection:
-    """One client's session: its settings and the utterance it is streaming (if any)."""
+    """One client's session: its settings, the utterance it is streaming (if any), and the events going back, sent
+    in order by a writer task of its own (deltas come from the engine's thread, between the replies)."""
 
     def __init__(self, realtime: Realtime, websocket: WebSocket):
         self.realtime, self.ws = realtime, websocket
@@ -96,7 +99,9 @@ class _Connection:
         self.session["model"] = realtime.model.name
         self.stream = None
         self.item_id: str | None = None
-        self.sent = 0  # the stream's deltas already sent
+        self.loop = asyncio.get_running_loop()
+        self.outbox: asyncio.Queue[str | None] = asyncio.Queue()
+        self.writer: asyncio.Task | None = None
         self.handlers = {
             "session.update": self._update,
             "input_audio_buffer.append": self._append,
@@ -106,9 +111,14 @@ class _Connection:
 
     async def run(self) -> None:
         await self.ws.accept()
-        await self.send("session.created", session=self.session)
+        self.writer = asyncio.create_task(self._write())
+        self.send("session.created", session=self.session)
         while True:
-            message = await self.ws.receive()
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), self.realtime.idle_s)
+            except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
+                await self._idle()
+                return
             if message["type"] == "websocket.disconnect":
                 return
             event_id = None
@@ -117,14 +127,38 @@ class _Connection:
                 event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
                 await self.handlers[event["type"]](event)
             except EventError as e:
-                await self.error(e, event_id)
+                self.error(e, event_id)
 
-    async def send(self, kind: str, **fields) -> None:
-        await self.ws.send_text(json.dumps({"type": kind, "event_id": f"event_{uuid.uuid4().hex}", **fields}))
+    def send(self, kind: str, **fields) -> None:
+        self.outbox.put_nowait(json.dumps({"type": kind, "event_id": f"event_{uuid.uuid4().hex}", **fields}))
 
-    async def error(self, e: EventError, event_id: str | None) -> None:
+    def error(self, e: EventError, event_id: str | None) -> None:
         error = {"type": e.kind, "code": e.code, "message": str(e), "param": e.param, "event_id": event_id}
-        await self.send("error", error=error)
+        self.send("error", error=error)
+
+    async def _write(self) -> None:
+        """The events in the order sent, until flush() (or until the client is gone)."""
+        while (text := await self.outbox.get()) is not None:
+            await self.ws.send_text(text)
+
+    async def flush(self) -> None:
+        """The events queued sent (where the client still takes them), and the writer ended."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            self.outbox.put_nowait(None)
+            with contextlib.suppress(Exception):
+                await writer
+
+    async def _idle(self) -> None:
+        """Nothing from the client for idle_s: an error event says so, the utterance is dropped (its slot given
+        back) and the connection closed."""
+        idle = self.realtime.idle_s
+        message = f"no event for {idle:g} s: the session is closed (the server's --realtime-idle-s)"
+        self.error(EventError(message, "idle_timeout"), None)
+        await self.drop()
+        await self.flush()
+        with contextlib.suppress(Exception):  # the client may be gone already
+            await self.ws.close(code=1000, reason="idle timeout")
 
     async def _update(self, event: dict) -> None:
         """Settings merged and echoed; none changes the transcript (the bundle decides language and delay)."""
@@ -139,9 +173,10 @@ class _Connection:
                 "session.model",
             )
         self.session.update({k: v for k, v in session.items() if k not in ("id", "object")})
-        await self.send("session.updated", session=self.session)
+        self.send("session.updated", session=self.session)
 
     async def _append(self, event: dict) -> None:
+        """The audio into the utterance's stream, answered once the engine has stepped it (its deltas sent)."""
         audio = event.get("audio")
         if not isinstance(audio, str):
             raise EventError("input_audio_buffer.append: `audio` (base64 PCM16) is required", "missing_audio", "audio")
@@ -154,11 +189,10 @@ class _Connection:
         if self.stream is None:
             await self._open()
         try:
-            await self.realtime.call(self.stream.push, pcm)
+            await self.realtime.engine.feed(self.stream, pcm)
         except RunnerError as e:
             await self._end()
             raise EventError(f"the stream failed ({e}); its utterance is dropped", "stream_failed") from None
-        await self._deltas()
 
     async def _commit(self, event: dict) -> None:
         if self.stream is None:
@@ -167,45 +201,49 @@ class _Connection:
                 "input_audio_buffer_commit_empty",
             )
         stream, item_id = self.stream, self.item_id
-        await self.send("input_audio_buffer.committed", item_id=item_id, previous_item_id=None)
+        self.send("input_audio_buffer.committed", item_id=item_id, previous_item_id=None)
         try:
-            t = await self.realtime.call(stream.finish)
+            t = await self.realtime.engine.finish(stream)  # its last deltas are queued before this returns
         except RunnerError as e:
             raise EventError(f"the stream failed ({e}); its utterance is dropped", "stream_failed") from None
         finally:
             await self._end()
-        await self._deltas(stream, item_id)
-        await self.send(COMPLETED, item_id=item_id, content_index=0, transcript=t.text)
+        self.send(COMPLETED, item_id=item_id, content_index=0, transcript=t.text)
 
     async def _clear(self, event: dict) -> None:
         await self.drop()
-        await self.send("input_audio_buffer.cleared")
+        self.send("input_audio_buffer.cleared")
 
     async def _open(self) -> None:
+        """A slot (waiting for one in the queue), and a stream in it whose deltas are sent as they come."""
         await self.realtime.acquire()
+        item_id = f"item_{uuid.uuid4().hex}"
         try:
-            self.stream = await self.realtime.call(self.realtime.model.stream)
+            self.stream = await self.realtime.engine.open(partial(self._delta, item_id))
+        except RunnerError as e:
+            self.realtime.release()
+            raise EventError(f"the stream could not open ({e})", "stream_failed") from None
         except BaseException:
             self.realtime.release()
             raise
-        self.item_id, self.sent = f"item_{uuid.uuid4().hex}", 0
+        self.item_id = item_id
 
-    async def _deltas(self, stream=None, item_id: str | None = None) -> None:
-        stream = stream or self.stream
-        fresh, self.sent = stream.deltas[self.sent :], len(stream.deltas)
-        for d in fresh:
-            await self.send(DELTA, item_id=item_id or self.item_id, content_index=0, delta=d.text)
+    def _delta(self, item_id: str, delta) -> None:
+        """A delta the engine decided, on its thread: sent in turn on the server's loop."""
+        event = partial(self.send, DELTA, item_id=item_id, content_index=0, delta=delta.text)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self.loop.call_soon_threadsafe(event)
 
     async def _end(self) -> None:
         """The utterance's stream closed (a finished one already is) and the slot given back."""
         stream, self.stream = self.stream, None
         if stream is not None:
             with contextlib.suppress(Exception):
-                await self.realtime.call(stream.close)
+                await self.realtime.engine.close(stream)
             self.realtime.release()
 
     async def drop(self) -> None:
-        """The utterance in progress abandoned (clear, or the client went)."""
+        """The utterance in progress abandoned (clear, idle, or the client went)."""
         await self._end()
 
 

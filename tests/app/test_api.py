@@ -313,3 +313,65 @@ def test_stream_misuse_is_refused(realtime):
     with pytest.raises(GenerationError) as e:
         realtime.transcribe(AUDIO / "short.wav")
     assert "stream()" in one_sentence(e)
+
+
+def test_stream_slots_step_streams_together_each_as_it_is_alone(realtime, realtime_bundle):
+    """Three streams in the slots, fed in blocks of their own sizes; the first gets nothing while the others go to
+    the end (its row steps with them, held): each one's tokens, text and deltas are those of `stream --json` on its
+    file alone."""
+    names = ("speech.wav", "short.wav", "speech_48k_stereo.wav")
+    records = [cli_records("stream", realtime_bundle, "--audio", str(AUDIO / n))[0] for n in names]
+    files = [load_audio(AUDIO / n) for n in names]
+    sizes = (777, 3 * 1280, 2000)
+    assert realtime.max_streams == 8 and realtime.max_batch == 1
+    with realtime.stream_slots() as slots:
+        assert (slots.size, slots.free) == (8, 8)
+        seen: list[list] = [[] for _ in names]
+        streams = [slots.open(on_delta=seen[i].append) for i in range(len(names))]
+        assert slots.free == 5
+        sent = [0, 0, 0]
+        ends = [len(files[0]) // 2, len(files[1]), len(files[2])]
+        while any(s < e for s, e in zip(sent, ends)):
+            for i, s in enumerate(streams):
+                if sent[i] < ends[i]:
+                    s.push(files[i][sent[i] : sent[i] + sizes[i]])  # steps every stream whose audio is here
+                    sent[i] += sizes[i]
+        results = {i: streams[i].finish() for i in (1, 2)}
+        assert streams[0].deltas and not streams[0].done
+        streams[0].feed(files[0][sent[0] :])  # fed, then stepped by the slots' loop
+        streams[0].end()
+        assert streams[0].pending and slots.run() > 0 and streams[0].done
+        results[0] = streams[0].result()
+        assert slots.free == 8
+    for i, record in enumerate(records):
+        t = results[i]
+        assert list(t.tokens) == record["tokens"] and t.text == record["text"] and t.text
+        assert t.to_dict()["segments"] == record["segments"]
+        assert seen[i] == streams[i].deltas and "".join(d.text for d in seen[i]) == t.text
+
+
+def test_stream_slots_misuse_is_refused(realtime, tiny):
+    with realtime.stream_slots() as slots:
+        with pytest.raises(GenerationError) as e:
+            realtime.stream()
+        assert "already open" in one_sentence(e)
+        streams = [slots.open() for _ in range(slots.size)]
+        with pytest.raises(GenerationError) as e:
+            slots.open()
+        assert "all 8 stream slots are taken" in one_sentence(e)
+        streams[3].close()
+        s = slots.open()  # the closed one's slot
+        with pytest.raises(GenerationError) as e:
+            s.result()
+        assert "not done" in one_sentence(e)
+        s.end()
+        with pytest.raises(GenerationError) as e:
+            s.feed(np.zeros(160, dtype=np.float32))
+        assert "ended" in one_sentence(e)
+    with pytest.raises(GenerationError) as e:
+        slots.open()
+    assert "closed" in one_sentence(e)
+    realtime.stream().close()  # the slots gave the model back
+    with pytest.raises(GenerationError) as e:
+        tiny.stream_slots()
+    assert "whole inputs" in one_sentence(e) and tiny.max_streams == 0

@@ -43,6 +43,13 @@ class Steps:
     def reset(self, rows: list[int] | None = None) -> None:  # zero the state of these rows (None: all)
         raise NotImplementedError
 
+    def held_state(self) -> list[torch.Tensor]:
+        """The state buffers a step rewrites whole in every row of its batch ([streams, ...] each): what a row
+        stepped without its audio (StreamBatch's held rows) must get back. The rest of the state is written only
+        at the step's own position, which that row's real step at the same position writes again before it
+        reads it."""
+        raise NotImplementedError
+
     def step(self, wave, pos, token, delay) -> torch.Tensor:
         """One position of every row: the greedy next token [B] int64 (on the device), the three methods in
         turn (GraphSteps replays the whole step as CUDA graphs)."""
@@ -175,12 +182,15 @@ class Stream:
 
 
 class StreamBatch:
-    """Streams in the state rows of one Steps, stepped together: a step runs when every stream in a row has its
-    next position's audio (streams fed in lockstep, as `stream` feeds its files, step together), for the rows up
-    to the last one taken. A stream that is done leaves its row."""
+    """Streams in the state rows of one Steps, stepped together, for the rows up to the last one taken. A step
+    runs when every stream in a row has its next position's audio (streams fed in lockstep, as `stream` feeds its
+    files, step together), or, with `hold_idle`, as soon as one has (streams fed as their audio arrives, as the
+    server's): every row of a batch runs, so a stream whose audio has not arrived runs at its own next position on
+    zeros, its token dropped and its Steps.held_state put back after; it is then where it was, and stalls nobody.
+    A stream that is done leaves its row."""
 
-    def __init__(self, steps: Steps, spec: StreamSpec):
-        self.steps, self.spec = steps, spec
+    def __init__(self, steps: Steps, spec: StreamSpec, hold_idle: bool = False):
+        self.steps, self.spec, self.hold_idle = steps, spec, hold_idle
         self.rows: list[Stream | None] = [None] * steps.streams
         self._delay = float(spec.num_delay_tokens)
 
@@ -208,9 +218,10 @@ class StreamBatch:
         return [(r, s) for r, s in enumerate(self.rows) if s is not None]
 
     def step(self) -> bool:
-        """One batched position, if every stream in a row is ready; whether it ran."""
+        """One batched position, if every stream in a row is ready (with hold_idle: if one is); whether it ran."""
         live = self.live
-        if not live or not all(s.ready() for _, s in live):
+        idle = [r for r, s in live if not s.ready()]
+        if len(idle) == len(live) or (idle and not self.hold_idle):
             return False
         b = self.steps.batch_for(live[-1][0] + 1)
         dev = self.steps.device
@@ -218,7 +229,10 @@ class StreamBatch:
         pos = np.zeros(b, dtype=np.int64)
         prev = np.zeros((b, 1), dtype=np.int64)
         for r, s in live:
-            wave[r], pos[r], prev[r, 0] = s.window(), s.position, s.previous_token()
+            pos[r], prev[r, 0] = s.position, s.previous_token()
+            if r not in idle:
+                wave[r] = s.window()
+        held = [(t, t[idle].clone()) for t in self.steps.held_state()] if idle else []
         t0 = time.perf_counter()
         tokens = self.steps.step(
             torch.from_numpy(wave).to(dev),
@@ -227,12 +241,15 @@ class StreamBatch:
             torch.full((b,), self._delay, device=dev),
         ).tolist()  # waits for the step
         t1 = time.perf_counter()
+        for t, rows in held:
+            t[idle] = rows
         for r, s in live:
-            s.accept(tokens[r], (t1 - t0) * 1e3, t1)
+            if r not in idle:
+                s.accept(tokens[r], (t1 - t0) * 1e3, t1)
         return True
 
     def run(self) -> int:
-        """Step while every stream is ready; the number of steps run."""
+        """Step while a step can run; the number of steps run."""
         n = 0
         while self.step():
             n += 1

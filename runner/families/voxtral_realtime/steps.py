@@ -34,6 +34,7 @@ class ProgramSteps(Steps):
         self.streams = program.manifest.model.get("max_streams")  # the state's rows
         if not isinstance(self.streams, int) or self.streams < 1:
             raise GenerationError(f"{program.bundle_dir}: no stream slots in the manifest (export it again)")
+        self._held = _whole_row_state(program)
 
     def preprocess(self, wave):
         return self._pre(wave)[0]
@@ -43,6 +44,9 @@ class ProgramSteps(Steps):
 
     def decode(self, token, audio, pos, delay):
         return self._dec(token, audio, pos, delay)[0]
+
+    def held_state(self) -> list[torch.Tensor]:
+        return self._held
 
     def reset(self, rows: list[int] | None = None):
         if rows is None:
@@ -54,6 +58,20 @@ class ProgramSteps(Steps):
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     t[rows] = 0
+
+
+def _whole_row_state(program) -> list[torch.Tensor]:
+    """The steps' state but the K/V rings (`state.layers.N.k` / `.v`: models/voxtral_realtime.py's RingKV, whose
+    slot for a position only a step at that position writes): the convolutions' tails, which every step
+    overwrites. A buffer the rings do not name is counted here, so a new kind of state is held, not lost."""
+    seen: set[int] = set()  # a buffer two methods share, once
+    held = []
+    for m in METHODS:
+        for name, t in program.methods[m].handle.state.items():
+            if name.rsplit(".", 1)[-1] not in ("k", "v") and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                held.append(t)
+    return held
 
 
 def _graph_safe(method: Method, *inputs: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 from conftest import AUDIO
-from live_server import running
+from live_server import running, serve_process
 
 import runner
 from runner.app import writers
@@ -333,24 +333,9 @@ def test_a_batch_the_bundle_cannot_decode_is_one_error_line(tiny_bundle, capsys)
 
 
 def test_sigterm_drains_the_request_in_flight_and_exits_0(tiny_bundle, tmp_path, records):
-    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
-    env.update(TMPDIR=str(tmp_path), VOXTRAL_RUNNER_API_KEY=KEY)
-    cmd = [
-        sys.executable,
-        "-m",
-        "runner",
-        "serve",
-        "--bundle",
-        str(tiny_bundle),
-        "--port",
-        "0",
-        "--max-new-tokens",
-        str(NEW),
-    ]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    env = {"TMPDIR": str(tmp_path), "VOXTRAL_RUNNER_API_KEY": KEY}
+    p, port, line = serve_process(tiny_bundle, "--max-new-tokens", str(NEW), env=env)
     try:
-        line = p.stderr.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))
         body = SHORT.read_bytes()
         head = b'--zz\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
         tail = b"\r\n--zz--\r\n"

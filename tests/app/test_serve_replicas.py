@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import re
-import selectors
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import AUDIO
-from live_server import running
+from live_server import running, serve_process
 from prometheus_client.parser import text_string_to_metric_families
 
 import runner
@@ -82,44 +78,24 @@ def served(port: int) -> float:
 
 @contextlib.contextmanager
 def replicas(bundle: Path, n: int) -> Iterator[list[tuple[subprocess.Popen, int]]]:
-    """N `serve` processes on free loopback ports (--port 0: each says its port on its first line)."""
-    env = {k: v for k, v in os.environ.items() if "PROXY" not in k.upper()}
-    cmd = [
-        sys.executable,
-        "-m",
-        "runner",
-        "serve",
-        "--bundle",
-        str(bundle),
-        "--port",
-        "0",
-        "--max-new-tokens",
-        str(NEW),
-    ]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    """N `serve` processes on free loopback ports."""
+    started = []
     try:
-        yield [(p, _port(p)) for p in procs]
+        for _ in range(n):
+            p, port, _ = serve_process(bundle, "--max-new-tokens", str(NEW), start_s=START_S)
+            started.append((p, port))
+        yield started
     finally:
-        for p in procs:
+        for p, _ in started:
             if p.poll() is None:
                 p.terminate()
-        for p in procs:
+        for p, _ in started:
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
             p.stderr.close()
-
-
-def _port(p: subprocess.Popen) -> int:
-    with selectors.DefaultSelector() as sel:
-        sel.register(p.stderr, selectors.EVENT_READ)
-        assert sel.select(START_S), f"no line from `serve` in {START_S} s"
-    line = p.stderr.readline()
-    found = re.search(r"on http://127\.0\.0\.1:(\d+) ", line)
-    assert found, line
-    return int(found.group(1))
 
 
 @pytest.fixture(scope="module")

@@ -161,6 +161,15 @@ def realtime_slots_bundle(tmp_path_factory) -> Path:
     return export_realtime(tmp_path_factory.mktemp("rt") / "tiny-realtime-4", max_streams=4)
 
 
+def error_line(capsys) -> str:
+    """The one `error:` line a command printed on stderr (and no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 def parse_error(argv: list[str], capsys) -> str:
     """The one line argparse refuses `argv` with (exit 2, no traceback)."""
     from runner.app.cli import build_parser

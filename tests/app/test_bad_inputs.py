@@ -8,16 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import error_line
 
 from runner.app.cli import main
 
 AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio" / "short.wav"
-
-
-def error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err) == 1, err
-    return err[0]
 
 
 @pytest.mark.parametrize(

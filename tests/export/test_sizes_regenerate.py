@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import as_random_init, parse_error
+from conftest import as_random_init, error_line, parse_error
 from script_module import load_module
 
 from runner.app.cli import build_parser, main
@@ -32,14 +32,6 @@ SIZE_FLAGS = {
     "--max-seq-len": MAX_SEQ_LEN,
     "--max-audio-chunks": MAX_AUDIO_CHUNKS,
 }
-
-
-def error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 # ---------------------------------------------------------------- the parser

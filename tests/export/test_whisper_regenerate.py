@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import CACHE
+from conftest import CACHE, error_line
 from script_module import load_module
 
 from runner.app.cli import main
@@ -100,14 +100,6 @@ def test_regenerate_restores_byte_identical_weights_and_the_bundle_verifies(bund
     verify_bundle(copy)
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in bundle.iterdir())
     assert regenerate(copy) == []  # all there: nothing to convert
-
-
-def error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def test_a_missing_package_is_one_line_naming_what_to_install(bundle, tmp_path, monkeypatch, capsys):

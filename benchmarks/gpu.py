@@ -26,6 +26,9 @@ line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with
     int4        int4_kernels.py --int4-args -> int4.json
     small24b    Voxtral-Small-24B dims, random init: export (other bundles deleted for the disk), then bench
     throughput  --tp-files files of 30 s at each batch of --tp-batches -> bench_tp.json
+    serve       `serve` on the --max-batch bundle, --serve-clients clients sending that 30 s file (serve_load.py),
+                beside bench --throughput at the same batch -> serve_tp.json; the server's starlette, uvicorn,
+                python-multipart and websockets are not on the image: they travel as wheels in .whl/
     golden      cuda.yml's tiny and 3B bf16 cells exported and run on the fixtures: golden tokens -> $OUT
     act         cuda.yml under nektos/act (--act-args: inputs, cells, jobs), offline -> act_summaries.tar.gz
 
@@ -46,6 +49,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -63,11 +67,11 @@ LIMITS = {
     "setup": 120, "tests": 420, "export": 420, "bench": 300, "long": 420, "memory": 150, "firstrun": 300,
     "weights": 240, "regen": 180, "ab": 300, "profile": 90, "kernels": 540, "prefill": 180, "whisper": 540,
     "soak": 540, "realtime": 480, "export_int4": 420, "bench_int4": 200, "int4": 300, "small24b": 560,
-    "throughput": 240, "golden": 420, "act": 580,
+    "throughput": 240, "golden": 420, "act": 580, "serve": 540,
 }  # fmt: skip
 MIN_MODE_S = 20  # a mode with less time than this left is skipped, not started
 KEEP = ("summary.md", "summary.json", "act_summaries.tar.gz", "tiny.json", "voxtral-mini-3b-random.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
-        "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "firstrun.md", "weights.md")  # fmt: skip
+        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "firstrun.md", "weights.md")  # fmt: skip
 
 
 @dataclass
@@ -101,6 +105,8 @@ class Config:
     rt_bench_args: str = "--bench-seconds 20 --bench-steps 50 --latency-seconds 10 --long-minutes 60 --long-limit-s 100"
     tp_files: int = 64
     tp_batches: str = "1,8,32"
+    serve_clients: str = "8,32"  # one load run per count, each beside bench --throughput at that batch
+    serve_seconds: int = 20  # each run's sending time (closed loop: a client sends its next file on an answer)
     wheels: str = ".whl"  # the carried wheels (nox, soundfile, soxr, av and their needs)
     act_files: str = "artifacts/offline-act"  # node.xz and ci-actions.tgz, for the act mode
     act_args: str = "--input preset=all --input quant=none export-artifact benchmark e2e"
@@ -152,13 +158,7 @@ class Call:
         try:
             return proc.wait(timeout=left)
         except subprocess.TimeoutExpired:
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
-                os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop(proc, grace=10)
             return 124
         finally:
             for f in {err, sink} - {None}:
@@ -193,6 +193,20 @@ class Call:
         path = self.out / name
         text = path.read_text(errors="replace") if path.is_file() else ""
         return [line for line in text.splitlines() if line.startswith(start)]
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to the process's group, SIGKILL after `grace` seconds (a group already gone: nothing to do)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def split(flags: str | int) -> list[str]:
@@ -589,16 +603,79 @@ def mode_small24b(c: Call) -> str:
     return bench(c, "bench_24b", b, *BENCH_ARGS, compare=compare)
 
 
+TP30 = "/tmp/tp30.wav"  # the throughput figures' file: 30 s of the fixtures' speech, no gaps
+
+
+def throughput(c: Call, batches: str) -> dict[int, float]:
+    """bench --throughput: --tp-files files of 30 s at each batch -> bench_tp.json; generated tokens/s by batch."""
+    speech_wav(c, TP30, 30, gaps=False)
+    if not c.dry:
+        Path("/tmp/tp30.list").write_text(TP30 + "\n")
+    args = split(f"--throughput-list /tmp/tp30.list --throughput-files {c.cfg.tp_files} --batch {batches}")
+    bench(c, "bench_tp", c.cfg.bundle, *BENCH_ARGS, *args, compare="none")
+    return tp_rates(c)
+
+
+def tp_rates(c: Call) -> dict[int, float]:
+    key = "throughput_decode_tokens_per_s_b"
+    recs = c.read_json("bench_tp.json") or []
+    return {int(r["metric"]["name"][len(key) :]): float(r["metric"]["extra_info"]["median"]) for r in recs
+            if r["metric"]["name"].startswith(key)}  # fmt: skip
+
+
 def mode_throughput(c: Call) -> str:
     """--tp-files files of 30 s at each batch (export with --max-batch: --export-args "... --max-batch 32")."""
-    speech_wav(c, "/tmp/tp30.wav", 30, gaps=False)
+    return "; ".join(f"b{b} {v:.0f} tok/s" for b, v in throughput(c, c.cfg.tp_batches).items())
+
+
+def mode_serve(c: Call) -> str:
+    """Issue 44: `serve` at --serve-clients concurrent clients beside bench --throughput at the same batch (this
+    call's bench_tp.json where the throughput mode ran first, else timed here). A bundle whose --max-batch is under
+    the most clients is exported again with it; each request generates at most bench's 128 tokens."""
+    clients = [int(n) for n in c.cfg.serve_clients.split(",")]
+    most = max(clients)
+    if c.dry or bundle_batch(c.cfg.bundle) < most:
+        export_3b(c, c.cfg.bundle, "--max-batch", str(most), log="serve_export.log")
+    if set(clients) <= set(tp_rates(c)):
+        speech_wav(c, TP30, 30, gaps=False)
+    else:
+        throughput(c, c.cfg.serve_clients)
+    load = ["--audio", TP30, "--clients", *map(str, clients), "--seconds", str(c.cfg.serve_seconds)]
+    load += ["--language", "en", "--compare", str(c.out / "bench_tp.json"), "--out", str(c.out / "serve_tp.json")]
+    return serve_load(c, c.cfg.bundle, ["--max-batch", str(most), "--max-new-tokens", "128"], load)
+
+
+def bundle_batch(bundle: str) -> int:
+    manifest = ROOT / bundle / "model.pte"
+    return json.loads(manifest.read_text())["model"].get("max_batch", 1) if manifest.is_file() else 0
+
+
+def serve_load(c: Call, bundle: str, serve: list[str], load: list[str], wait_s: float = 300) -> str:
+    """`python -m runner serve` on a free loopback port in the background; once it says it serves (the model loaded),
+    serve_load.py with `load`; then SIGTERM. serve.log, serve_load.log and serve_load.md (its lines, returned)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "runner", "serve", "--bundle", bundle, "--port", port, *serve]
+    c.commands.append(cmd)
+    print("  (in the background, until the load ends)\n  $ " + shlex.join(cmd), flush=True)
+    proc = None
     if not c.dry:
-        Path("/tmp/tp30.list").write_text("/tmp/tp30.wav\n")
-    args = split(f"--throughput-list /tmp/tp30.list --throughput-files {c.cfg.tp_files} --batch {c.cfg.tp_batches}")
-    bench(c, "bench_tp", c.cfg.bundle, *BENCH_ARGS, *args, compare="none")
-    f = {r["metric"]["name"]: float(r["metric"]["extra_info"]["median"]) for r in c.read_json("bench_tp.json") or []}
-    rates = [f"b{k.rsplit('_b', 1)[1]} {v:.0f} tok/s" for k, v in f.items() if k.startswith("throughput_decode")]
-    return "; ".join(rates)
+        with open(c.out / "serve.log", "a") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = min(time.monotonic() + wait_s, c.mode_end)
+        while proc and proc.poll() is None and not c.lines("serve.log", "serving ") and time.monotonic() < deadline:
+            time.sleep(1)
+        if proc and proc.poll() is not None:
+            c.check(proc.returncode or 1, "the server", "serve.log")
+        load = ["--url", f"http://127.0.0.1:{port}", "--wait-s", "30", *load]
+        rc = c.script("serve_load.py", *load, stdout="serve_load.md", log="serve_load.log")
+    finally:
+        if proc:
+            stop(proc, grace=30)
+    c.check(rc, "serve_load.py", "serve_load.log")
+    return "; ".join(c.lines("serve_load.md", "")) or "(dry run)"
 
 
 MODES = {name[5:]: fn for name, fn in globals().items() if name.startswith("mode_")}

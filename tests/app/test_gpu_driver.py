@@ -61,8 +61,8 @@ def test_product_runs_go_through_nox_sessions_and_the_clis_own_flags(dry_run):
                 parser.parse_args([SESSION_VERBS[session], *args])  # exits on a flag the verb does not have
         elif cmd[1:3] == ["-m", "runner"]:
             parser.parse_args(cmd[3:])
-    assert {"export-artifact", "benchmark", "tests", "soak"} <= sessions
-    exports = [c for c in commands if "export-artifact" in c]
+    assert {"export-artifact", "benchmark", "cuda-tests", "soak"} <= sessions
+    exports = [c for c in commands if c[1:3] == ["-m", "nox"] and "export-artifact" in c]
     assert all(c[c.index("--device") + 1] == "cuda" for c in exports)
     listed = subprocess.run(
         [sys.executable, "-m", "nox", "--list", "--json", "-f", str(ROOT / "noxfile.py"), "-s", *sorted(sessions)],
@@ -120,3 +120,36 @@ def test_a_command_past_its_limit_is_stopped_with_what_it_started(tmp_path):
     t0 = gpu.time.monotonic()
     assert c.run([sys.executable, "-c", child], log="y.log", limit=6) == 124
     assert gpu.time.monotonic() - t0 < 30 and not c.lines("y.log", "not reached")
+
+
+def dry_serve(out: Path) -> list[list[str]]:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--out", str(out), "serve"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [shlex.split(line.strip()[2:]) for line in r.stdout.splitlines() if line.strip().startswith("$ ")]
+
+
+def test_the_serve_mode_loads_the_max_batch_server_beside_bench_throughput_at_the_same_batches(tmp_path):
+    serve_load = load_module("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    commands = dry_serve(tmp_path)
+    (export,) = [c for c in commands if "export-artifact" in c]
+    (bench,) = [c for c in commands if "benchmark" in c]
+    (serve,) = [c for c in commands if c[1:4] == ["-m", "runner", "serve"]]
+    (load,) = [c for c in commands if c[1] == "serve_load.py"]
+    assert export[export.index("--max-batch") + 1] == "32"
+    assert bench[bench.index("--batch") + 1] == "8,32" and "--throughput-list" in bench
+    build_parser().parse_args(serve[3:])
+    assert (serve[serve.index("--max-batch") + 1], serve[serve.index("--max-new-tokens") + 1]) == ("32", "128")
+    args = serve_load.parse(load[2:])  # the script's own parser: a renamed flag fails here
+    assert args.url == f"http://127.0.0.1:{serve[serve.index('--port') + 1]}" and args.clients == [8, 32]
+    assert args.compare == tmp_path / "bench_tp.json" and args.out == tmp_path / "serve_tp.json"
+    assert args.language == "en" and args.seconds == gpu.Config().serve_seconds
+    # the throughput mode's figures from earlier in the call: no second bench
+    rec = {"metric": {"name": "throughput_decode_tokens_per_s_b{}", "extra_info": {"median": 1.0}}}
+    recs = [json.loads(json.dumps(rec).replace("{}", str(b))) for b in (1, 8, 32)]
+    (tmp_path / "bench_tp.json").write_text(json.dumps(recs))
+    assert not [c for c in dry_serve(tmp_path) if "benchmark" in c]

@@ -106,7 +106,7 @@ def test_more_than_eight_files_are_packed_with_the_headline_ones_beside(tmp_path
         (tmp_path / f"log{i}.log").write_text("x")
     (tmp_path / "summary.md").write_text("| mode |\n")
     (tmp_path / "bench_3b.json").write_text("[]")
-    gpu.pack(tmp_path)
+    gpu.pack(tmp_path, gpu.KEEP)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["all.tar.gz", "bench_3b.json", "summary.md"]
     assert "all in all.tar.gz" in (tmp_path / "summary.md").read_text()

@@ -66,3 +66,32 @@ def test_stream_bench_runs_on_graphs_and_memory_stays_flat(bundle, tmp_path):
     assert r["cuda_graphs"] and [b["batch"] for b in r["batches"]] == [1, 2, 4]
     assert r["long_stream"]["minutes"] >= 1.5 and r["long_stream"]["growth_mib"]["allocated_mib"] == 0
     assert "| decode at batch 1 (tokens/s) |" in p.stdout
+
+
+def test_held_slots_on_graphs_give_each_stream_its_own_tokens(bundle):
+    """The server's stepping (StreamSlots: a stream whose audio has not arrived steps on zeros at its own position
+    and gets its state back) through the CUDA graphs: each stream's tokens are those of its file streamed alone."""
+    import runner
+
+    files = [load_audio(AUDIO / n) for n in FILES]
+    block = 3 * 1280
+    with runner.load(bundle) as model:
+        alone = []
+        for f in files:
+            with model.stream() as s:
+                s.push(f)
+                alone.append(list(s.finish().tokens))
+        with model.stream_slots() as slots:
+            streams = [slots.open() for _ in files]
+            ends = [len(files[0]) // 2, len(files[1]), len(files[2])]  # the first pauses halfway: held
+            sent = [0] * len(files)
+            while any(s < e for s, e in zip(sent, ends)):
+                for i, s in enumerate(streams):
+                    if sent[i] < ends[i]:
+                        s.push(files[i][sent[i] : min(sent[i] + block, ends[i])])
+                        sent[i] = min(sent[i] + block, ends[i])
+            results = {i: list(streams[i].finish().tokens) for i in (1, 2)}
+            streams[0].push(files[0][ends[0] :])
+            results[0] = list(streams[0].finish().tokens)
+    assert [results[i] for i in range(len(files))] == alone
+    assert len(set(alone[0])) > 3

@@ -1,5 +1,6 @@
 """The library: a bundle loaded once, then audio files, encoded bytes or sample arrays transcribed with it, one at
-a time or many through continuous batching, or audio streamed into a realtime bundle as it arrives.
+a time or many through continuous batching (a list, or inputs that arrive over time: `transcribe_feed`), or audio
+streamed into a realtime bundle as it arrives.
 
     import runner
 
@@ -18,6 +19,7 @@ import copy
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 from runner.app.audio_inputs import Audio, audio_file
 from runner.app.streams import Stream, StreamSlots
@@ -32,6 +34,14 @@ from runner.runtime.options import RuntimeOptions
 from runner.runtime.results import GenerationResult
 
 __all__ = ["Delta", "Model", "Stream", "StreamSlots", "Transcription", "load"]
+
+
+class AudioFeed(Protocol):
+    """Inputs that arrive over time (a server's requests), for `Model.transcribe_feed`: `take(wait=False)` is the
+    next (index, audio) ready now, or None when none is (the batch goes on decoding); `take(wait=True)` is asked
+    only when nothing is decoding: it blocks until an input is ready, and None from it says no more will come."""
+
+    def take(self, wait: bool) -> tuple[int, Audio] | None: ...
 
 
 def load(
@@ -60,8 +70,8 @@ def load(
 
 
 class Model:
-    """A loaded bundle. `transcribe` and `transcribe_many` for the bundles that take whole files, `stream` and
-    `stream_slots` for the realtime ones (capabilities.streaming). One call at a time: the bundle's KV cache is
+    """A loaded bundle. `transcribe`, `transcribe_many` and `transcribe_feed` for the bundles that take whole
+    files, `stream` and `stream_slots` for the realtime ones (capabilities.streaming). One call at a time: the bundle's KV cache is
     shared state."""
 
     def __init__(self, bundle: str | os.PathLike, options: RuntimeOptions | None = None, device: str | None = None):
@@ -164,9 +174,7 @@ class Model:
 
         def jobs() -> Iterator[Job]:
             for i, audio in enumerate(audios):
-                with audio_file(audio, sample_rate, i) as (path, source, label):
-                    sources[i] = source
-                    yield Job(i, self._prompts(path, label, prompt, language), self._load)
+                yield self._job(i, audio, sample_rate, prompt, language, sources, which=i)
 
         def results() -> Iterator[Transcription]:
             for done in generate_many(self._whole.runner, jobs(), opts, batch, on_text=on_text):
@@ -176,6 +184,44 @@ class Model:
                 yield _transcription(done.result, language, sources[i], i)
 
         return results()
+
+    def transcribe_feed(
+        self,
+        feed: AudioFeed,
+        *,
+        batch: int | None = None,
+        sample_rate: int | None = None,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float = 0.0,
+        word_timestamps: bool = False,
+        max_new_tokens: int | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[tuple[int, Transcription | RunnerError]]:
+        """Inputs as they arrive, through one continuous batch: each joins a free slot while the others decode
+        (`batch` at once, default max_batch). Yields (index, its Transcription) as each finishes, or (index, its
+        error, as `transcribe` raises it): a bad input answers alone and the others go on. Ends when the feed
+        says no more will come."""
+        opts = self._generation(temperature, top_p, seed, max_new_tokens, word_timestamps)
+        batch = self.max_batch if batch is None else batch
+        jobs = _FeedJobs(self, feed, sample_rate, prompt, language)
+
+        def results() -> Iterator[tuple[int, Transcription | RunnerError]]:
+            for done in generate_many(self._whole.runner, jobs, opts, batch):
+                i = done.job.key
+                source = jobs.sources.pop(i, None)
+                yield i, done.error if done.error is not None else _transcription(done.result, language, source, i)
+
+        return results()
+
+    def _job(self, i: int, audio: Audio, sample_rate, prompt, language, sources: dict, which: int | None) -> Job:
+        """One input's job: its prompt windows (its audio read now, from a private temporary file where it is
+        bytes or samples); `sources[i]` says where it came from. Errors name bytes or samples `<bytes WHICH>`
+        (`<bytes>` for None, as `transcribe` names them)."""
+        with audio_file(audio, sample_rate, which) as (path, source, name):
+            sources[i] = source
+            return Job(i, self._prompts(path, name, prompt, language), self._load)
 
     def file_results(
         self,
@@ -277,6 +323,25 @@ class Model:
 
 
 # ---------------------------------------------------------------- inputs and results
+
+
+class _FeedJobs:
+    """The runtime's JobFeed over an AudioFeed: each input made a job as it is taken; one that cannot be read is a
+    job carrying its error (its answer, at once), so the feed goes on."""
+
+    def __init__(self, model: Model, feed: AudioFeed, sample_rate, prompt, language):
+        self.model, self.feed, self.args = model, feed, (sample_rate, prompt, language)
+        self.sources: dict[int, str | None] = {}
+
+    def take(self, wait: bool) -> Job | None:
+        item = self.feed.take(wait)
+        if item is None:
+            return None
+        i, audio = item
+        try:
+            return self.model._job(i, audio, *self.args, self.sources, which=None)
+        except RunnerError as e:
+            return Job(i, [], error=e)
 
 
 def _naming(error: Exception, source: str) -> Exception:

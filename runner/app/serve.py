@@ -8,9 +8,11 @@
     WS   /v1/realtime               a realtime bundle's streams, as OpenAI's Realtime transcription events
                                     (runner/app/serve_realtime.py)
 
-One engine thread owns the Model (its KV cache is shared state): requests wait in a bounded queue, and the engine
-takes all that wait (up to --max-batch) and decodes them together through `transcribe_many`. The event loop only
-reads uploads and answers; each request's future is settled from the engine thread with call_soon_threadsafe."""
+One engine thread owns the Model (its KV cache is shared state) and runs the requests as one continuous batch
+(runner/app/serve_engine.py): requests wait in a bounded queue, and each joins a free slot of the running batch
+(up to --max-batch) as soon as it arrives, while the others decode; requests that ask other options (language,
+prompt, temperature) wait for the batch to drain, in arrival order. The event loop only reads uploads and
+answers; each request's future is settled from the engine thread."""
 
 from __future__ import annotations
 
@@ -23,14 +25,12 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 
 try:
     import uvicorn
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.applications import Starlette
     from starlette.datastructures import FormData
     from starlette.exceptions import HTTPException
@@ -43,6 +43,8 @@ except ImportError as e:  # the verb says which extra brings them
 
 from runner.app.os_errors import reason
 from runner.app.serve_args import ServeOptions
+from runner.app.serve_engine import Engine, Submission
+from runner.app.serve_metrics import Metrics
 from runner.app.serve_openai import (
     FORMATS,
     GRANULARITIES,
@@ -62,147 +64,6 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 MAX_FIELDS = 32  # model, language, prompt, temperature, response_format, granularities: a few, never thousands
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-
-# ---------------------------------------------------------------- the engine thread
-
-
-@dataclass(frozen=True)
-class Job:
-    audio: bytes
-    options: Options
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
-_STOP = object()
-
-
-class Engine:
-    """The one thread that calls the Model. `submit` never blocks: queue.Full when --max-queue requests already wait."""
-
-    def __init__(self, model, max_batch: int, max_queue: int, max_new_tokens: int | None, metrics: Metrics):
-        self.model, self.max_batch, self.max_new_tokens, self.metrics = model, max_batch, max_new_tokens, metrics
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._work, name="runner-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        self._queue.put_nowait(job)
-
-    def depth(self) -> int:
-        return self._queue.qsize()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        """Finish what is queued, then end the thread."""
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join()
-
-    def _work(self) -> None:
-        while (jobs := self._take()) is not None:
-            groups: dict[Options, list[Job]] = {}
-            for job in jobs:
-                if not job.future.cancelled():  # its client is gone: nobody to answer
-                    groups.setdefault(job.options, []).append(job)
-            for group in groups.values():
-                self._batch(group)
-
-    def _take(self) -> list[Job] | None:
-        """Everything waiting, up to max_batch (at least one: this blocks); None once stopped."""
-        if self._stopping:
-            return None
-        jobs = []
-        item = self._queue.get()
-        while item is not _STOP:
-            jobs.append(item)
-            if len(jobs) == self.max_batch:
-                return jobs
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return jobs
-        self._stopping = True
-        return jobs or None
-
-    def _batch(self, jobs: list[Job]) -> None:
-        """The jobs decoded together; after an error (which ends transcribe_many), the rest one by one, so each
-        gets its own answer."""
-        self.metrics.batch.observe(len(jobs))
-        kwargs = dict(asdict(jobs[0].options), max_new_tokens=self.max_new_tokens)
-        done: set[int] = set()
-        try:
-            for t in self.model.transcribe_many(
-                [j.audio for j in jobs], batch=min(len(jobs), self.max_batch), **kwargs
-            ):
-                done.add(t.index)
-                self._settle(jobs[t.index], t, None)
-        except Exception:
-            for i, job in enumerate(jobs):
-                if i not in done:
-                    self._alone(job, kwargs)
-
-    def _alone(self, job: Job, kwargs: dict) -> None:
-        try:
-            t = self.model.transcribe(job.audio, **kwargs)
-        except Exception as e:
-            self._settle(job, None, e)
-        else:
-            self._settle(job, t, None)
-
-    def _settle(self, job: Job, result, error: Exception | None) -> None:
-        if result is not None:
-            self.metrics.tokens.inc(len(result.tokens))
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone, nobody waits
-            job.loop.call_soon_threadsafe(_resolve, job.future, result, error)
-
-
-def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
-    if future.done():  # cancelled: the client went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-# ---------------------------------------------------------------- metrics
-
-
-class Metrics:
-    """The server's Prometheus metrics, in a registry of its own (two servers in one process do not mix)."""
-
-    def __init__(self):
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "runner_requests", "HTTP requests answered, by route and status", ["route", "status"], registry=r
-        )
-        self.latency = Histogram(
-            "runner_request_seconds",
-            "time to answer a request, by route",
-            ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tokens = Counter("runner_generated_tokens", "tokens generated", registry=r)
-        self.queue = Gauge("runner_queue_depth", "requests waiting for the engine", registry=r)
-        self.batch = Histogram(
-            "runner_batch_occupancy",
-            "requests decoded together in one engine batch",
-            buckets=(1, 2, 4, 8, 16, 32, 64),
-            registry=r,
-        )
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 # ---------------------------------------------------------------- the HTTP side
@@ -368,7 +229,7 @@ class Service:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         try:
-            self.engine.submit(Job(audio, options, loop, future))
+            self.engine.submit(Submission(audio, options, loop, future))
         except queue.Full:
             raise ApiError(
                 429,

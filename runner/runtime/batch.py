@@ -11,6 +11,11 @@ prompt length and stop; when one finishes, the next prompt's prefill takes its s
 A job's windows run in order (its next window is queued, ahead of new jobs, when its previous one finishes), and
 its result joins them as generate_windows does. A new prompt takes the lowest free slot, so the rows a step runs
 (up to the highest slot in use) stay few.
+
+Jobs come from a list or iterator (taken as slots free up; the run ends with it) or from a `JobFeed`, whose jobs
+arrive over time (a server's requests): while sequences decode, the batcher looks once a step for a job ready now
+and goes on decoding when there is none; only with nothing to decode does it wait on the feed, and the run ends when
+the feed says it is closed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import copy
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -49,6 +55,28 @@ class Job:
     key: object  # what the caller knows the job by (its audio path)
     windows: list[Prompt]  # one or more prompts, run in order, joined into one result
     stats: Stats | None = None  # what the caller recorded before (the model load); copied, never mutated
+    error: Exception | None = None  # why it has no windows (its input could not be read): its result, at once
+
+
+@runtime_checkable
+class JobFeed(Protocol):
+    """Jobs that arrive over time. `take(wait=False)`: a job ready now, or None when none is (the run goes on).
+    `take(wait=True)`, asked only when nothing is decoding: blocks until a job is ready; None from it says the feed
+    is closed, and the run ends."""
+
+    def take(self, wait: bool) -> Job | None: ...
+
+
+class _Iterated:
+    """A JobFeed over an iterator, which has no "none now": each take waits for its next job, None at its end."""
+
+    def __init__(self, jobs: Iterable[Job]):
+        self.jobs, self.ended = iter(jobs), False
+
+    def take(self, wait: bool) -> Job | None:
+        job = None if self.ended else next(self.jobs, None)
+        self.ended = job is None
+        return job
 
 
 @dataclass(frozen=True)
@@ -60,18 +88,20 @@ class JobResult:
 
 def generate_many(
     runner: MultimodalRunner,
-    jobs: Iterable[Job],
+    jobs: Iterable[Job] | JobFeed,
     opts: GenerationOptions,
     batch: int = 1,
     on_text: Callable[[str], None] | None = None,
 ) -> Iterator[JobResult]:
     """Each job's result as it finishes. A job that fails (bad audio, a prompt over the context) yields its error
     and the others go on. `batch` sequences decode at once (1: one after another, each job's text streamed to
-    `on_text` as it is generated; several at once interleave, so a batch has no stream)."""
+    `on_text` as it is generated; several at once interleave, so a batch has no stream). `jobs` is a list or an
+    iterator, or a JobFeed (jobs that arrive while others decode)."""
     if batch < 1:
         raise GenerationError(f"--batch {batch}: must be at least 1")
+    feed = jobs if isinstance(jobs, JobFeed) else _Iterated(jobs)
     if batch == 1:
-        yield from _serial(runner, jobs, opts, on_text)
+        yield from _serial(runner, feed, opts, on_text)
         return
     if on_text is not None:
         raise GenerationError(f"--batch {batch}: texts are not streamed while several files decode at once")
@@ -83,13 +113,16 @@ def generate_many(
             f"export it with --max-batch {batch} (or more), or run with a smaller --batch"
         )
     with runner.exclusive():
-        yield from _Batcher(runner, opts, batch).run(iter(jobs))
+        yield from _Batcher(runner, opts, batch).run(feed)
 
 
 def _serial(
-    runner: MultimodalRunner, jobs: Iterable[Job], opts: GenerationOptions, on_text: Callable[[str], None] | None
+    runner: MultimodalRunner, feed: JobFeed, opts: GenerationOptions, on_text: Callable[[str], None] | None
 ) -> Iterator[JobResult]:
-    for job in jobs:
+    while (job := feed.take(wait=True)) is not None:  # nothing decodes between jobs
+        if job.error is not None:
+            yield JobResult(job, None, job.error)
+            continue
         stats = copy.copy(job.stats) if job.stats is not None else Stats()
         try:
             result = runner.generate_windows(job.windows, opts, on_text=on_text, stats=stats)
@@ -154,29 +187,36 @@ class _Batcher:
         self.queue: deque[tuple[_JobProgress, int]] = deque()  # (job, window index) ready to prefill
         self.done: list[JobResult] = []
 
-    def run(self, jobs: Iterator[Job]) -> Iterator[JobResult]:
-        pending = True  # jobs left in the iterator
-        while True:
-            free = self.slots.count(None)
-            while len(self.queue) < free and pending:
-                job = next(jobs, None)
-                if job is None:
-                    pending = False
-                elif not job.windows:
-                    self.done.append(JobResult(job, None, GenerationError("empty prompt: nothing to prefill")))
-                else:
-                    self.queue.append((_JobProgress(job), 0))
-            admitting = [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
-            start = now_ms()  # each one's TTFT counts the shared encoder call
-            for (progress, _), window in zip(admitting, self._encode([w.job.windows[i] for w, i in admitting])):
-                self._admit(progress, window, start)
+    def run(self, feed: JobFeed) -> Iterator[JobResult]:
+        while self._pull(feed):
+            self._admit_queued()
             yield from self._drain()
-            if not any(self.slots):
-                if not self.queue and not pending:
-                    return
-                continue
-            self._step()
-            yield from self._drain()
+            if any(self.slots):
+                self._step()
+                yield from self._drain()
+
+    def _pull(self, feed: JobFeed) -> bool:
+        """Jobs from the feed queued for the free slots. The batcher waits on the feed only when it has nothing
+        else to do (no sequence in flight, none queued, no result to hand back); else it takes what is ready now.
+        False when the feed is closed and nothing is left: the run is over."""
+        while len(self.queue) < self.slots.count(None):
+            idle = not any(self.slots) and not self.queue and not self.done
+            job = feed.take(wait=idle)
+            if job is None:
+                return not idle
+            if job.error is not None or not job.windows:
+                self.done.append(JobResult(job, None, job.error or GenerationError("empty prompt: nothing to prefill")))
+            else:
+                self.queue.append((_JobProgress(job), 0))
+        return True
+
+    def _admit_queued(self) -> None:
+        """The queued prompts into the free slots, their audio through the encoder together."""
+        free = self.slots.count(None)
+        admitting = [self.queue.popleft() for _ in range(min(free, len(self.queue)))]
+        start = now_ms()  # each one's TTFT counts the shared encoder call
+        for (progress, _), window in zip(admitting, self._encode([w.job.windows[i] for w, i in admitting])):
+            self._admit(progress, window, start)
 
     def _drain(self) -> Iterator[JobResult]:
         while self.done:

@@ -164,6 +164,29 @@ def test_transcribe_many_in_a_batch_equals_one_by_one(tiny_batch_bundle):
         assert (a.tokens, a.text, a.segments) == (b.tokens, b.text, b.segments)
 
 
+def test_transcribe_feed_answers_each_input_as_transcribe_does_and_a_bad_one_alone(tiny_batch_bundle):
+    """Inputs from a feed (as a server's requests arrive) through one batch: each (index, Transcription) equals
+    `transcribe`'s; bad bytes are (index, the error transcribe raises) and the inputs after them go on."""
+    inputs = [(AUDIO / "short.wav").read_bytes(), b"garbage bytes", AUDIO / "speech.wav"]
+
+    class Listed:
+        def __init__(self):
+            self.left = list(enumerate(inputs))
+
+        def take(self, wait: bool):
+            return self.left.pop(0) if self.left else None
+
+    with runner.load(tiny_batch_bundle) as model:
+        alone = {i: model.transcribe(inputs[i], max_new_tokens=NEW) for i in (0, 2)}
+        with pytest.raises(AudioError) as bad:
+            model.transcribe(inputs[1], max_new_tokens=NEW)
+        got = dict(model.transcribe_feed(Listed(), max_new_tokens=NEW))
+    assert sorted(got) == [0, 1, 2]
+    assert isinstance(got[1], AudioError) and str(got[1]) == str(bad.value)
+    for i, t in alone.items():
+        assert (got[i].index, got[i].tokens, got[i].text, got[i].segments) == (i, t.tokens, t.text, t.segments)
+
+
 # ---------------------------------------------------------------- bad inputs: our errors, one sentence
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import soundfile as sf
 import torch
 from conftest import AUDIO
 from live_server import running, serve_process
@@ -30,7 +31,9 @@ from runner.app.cli import build_parser, main
 from runner.app.options import Environment
 from runner.app.serve import Service
 from runner.app.serve_args import ServeOptions
+from runner.audio import SAMPLE_RATE
 from runner.bundle_name import bundle_name
+from tests.families.test_long_audio import speech_with_gaps
 
 NEW = 12  # tokens per answer: enough to tell files apart, quick on the tiny model
 KEY = "sk-test-7f3a"
@@ -59,18 +62,17 @@ class Live:
 @contextlib.contextmanager
 def serving(model, **options):
     """A Service on a free loopback port, uvicorn in a thread, as `serve` runs it in the main thread."""
-    service = Service(model, ServeOptions(port=0, max_new_tokens=NEW, **options))
+    service = Service(model, ServeOptions(**{"port": 0, "max_new_tokens": NEW, **options}))
     with running(service) as port:
         yield Live(f"http://127.0.0.1:{port}", service)
 
 
-def run_record(bundle: Path, audio: Path) -> dict:
-    """`python -m runner run --json`'s record of one file."""
+def run_record(bundle: Path, audio: Path, new: int | None = NEW) -> dict:
+    """`python -m runner run --json`'s record of one file (`new`: --max-new-tokens, None for run's default)."""
     out = io.StringIO()
+    cap = ["--max-new-tokens", str(new)] if new is not None else []
     with contextlib.redirect_stdout(out):
-        assert (
-            main(["run", "--bundle", str(bundle), "--audio", str(audio), "--json", "--max-new-tokens", str(NEW)]) == 0
-        )
+        assert main(["run", "--bundle", str(bundle), "--audio", str(audio), "--json", *cap]) == 0
     (line,) = out.getvalue().splitlines()
     return json.loads(line)
 
@@ -163,16 +165,16 @@ def test_64_concurrent_requests_each_get_their_own_text(live, records):
 
 
 def gate(model, monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """The model's engine calls wait for `release` (set by the test) once `entered` says one began."""
+    """The engine's batches wait for `release` (set by the test) once `entered` says one began."""
     entered, release = threading.Event(), threading.Event()
-    real = model.transcribe_many
+    real = model.transcribe_feed
 
     def blocked(*args, **kwargs):
         entered.set()
         assert release.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model, "transcribe_many", blocked)
+    monkeypatch.setattr(model, "transcribe_feed", blocked)
     return entered, release
 
 
@@ -190,17 +192,52 @@ def test_queued_requests_decode_together_and_a_bad_one_fails_alone(tiny_batch_bu
         with serving(model) as live, ThreadPoolExecutor(5) as pool:
             first = pool.submit(live.post, speech)
             assert entered.wait(60)
-            queued = [pool.submit(live.post, d) for d in (short, b"not audio" * 50, speech, short)]
+            queued = [pool.submit(live.post, d) for d in (short, speech, short, b"not audio" * 50)]
             wait_queued(live, 4, queued)
             release.set()
             answers = [f.result() for f in (first, *queued)]
             with httpx.Client(trust_env=False) as c:
                 metrics = c.get(f"{live.url}/metrics").text
-    assert [r.json()["text"] for i, r in enumerate(answers) if i != 2] == [
-        want[d] for d in (speech, short, speech, short)
-    ]
-    assert openai_error(answers[2], 400)["param"] == "file"
-    assert "runner_batch_occupancy_count 2.0" in metrics and "runner_batch_occupancy_sum 5.0" in metrics
+    assert [r.json()["text"] for r in answers[:4]] == [want[d] for d in (speech, short, speech, short)]
+    assert openai_error(answers[4], 400)["param"] == "file"
+    # occupancy as each joined: 1, 2, 3, 4 (the four fill the slots together); the bad one took a free slot once
+    # they had finished (all 12 tokens at the same step) and was alone: 1
+    assert "runner_batch_occupancy_count 5.0" in metrics and "runner_batch_occupancy_sum 11.0" in metrics
+
+
+def test_a_request_joins_the_running_batch_and_answers_before_a_longer_one(tiny_batch_bundle, tmp_path, monkeypatch):
+    """A 70 s file (two windows: 332 tokens at run's default cap) decoding; a short file sent once it has decoded
+    10 steps takes a free slot of the same batch (128 tokens) and is answered first. Each answer is `run`'s text."""
+    long_file = tmp_path / "long_70s.wav"
+    sf.write(long_file, speech_with_gaps(70.0), SAMPLE_RATE, subtype="FLOAT")
+    want = {p: run_record(tiny_batch_bundle, p, new=None)["text"] for p in (long_file, SHORT)}
+    with runner.load(tiny_batch_bundle) as model:
+        steps, decoding = [], threading.Event()
+        decode = model._whole.engine.decode_batch
+
+        def counted(*args):
+            steps.append(len(steps))
+            if len(steps) == 10:
+                decoding.set()
+            return decode(*args)
+
+        monkeypatch.setattr(model._whole.engine, "decode_batch", counted)
+        done = {}
+
+        def post(path: Path) -> str:
+            r = live.post(path.read_bytes(), name=path.name)
+            done[path] = time.perf_counter()
+            assert r.status_code == 200, r.text
+            return r.json()["text"]
+
+        with serving(model, max_new_tokens=None) as live, ThreadPoolExecutor(2) as pool:
+            long = pool.submit(post, long_file)
+            assert decoding.wait(120)
+            short = pool.submit(post, SHORT)
+            texts = {long_file: long.result(), SHORT: short.result()}
+    assert texts == want
+    # answered first, while the long one decoded on (a batch that waited to finish would answer it last)
+    assert done[SHORT] < done[long_file]
 
 
 def test_a_full_queue_answers_429_and_the_rest_finish(model, monkeypatch, records):

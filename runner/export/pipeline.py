@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.fx.experimental._config as fx_config
 from safetensors.torch import save_file
 from torch import nn
 
@@ -183,7 +184,7 @@ def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_d
         # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
         # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
         configs["aot_inductor.embed_kernel_binary"] = True
-    with _one_object_per_kernel():
+    with _one_object_per_kernel(), fx_config.patch(backed_size_oblivious=plan.size_oblivious):
         package = torch._inductor.aoti_compile_and_package(
             ep, package_path=str(workdir / f"{plan.name}.pt2"), inductor_configs=configs
         )

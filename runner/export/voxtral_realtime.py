@@ -234,7 +234,8 @@ def _export(traced: TracedSlots, make_module, example: tuple, batched: list[int 
     """torch.export of make_module() (built after the previous trace's state is freed: at the largest sizes two
     steps' state would not fit at once) with dim 0 of every input in `batched` (an index per input, None: static)
     dynamic in 1..streams. The example has 2 rows (1 would specialise the dim); size-oblivious tracing keeps the
-    program general where the trace would guard on B != 1 (as the Voxtral mel's chunk dim)."""
+    program general where the trace would guard on B != 1 (as the Voxtral mel's chunk dim), and so does the compile
+    (the plans' size_oblivious)."""
     traced.release()
     gc.collect()
     if torch.cuda.is_available():
@@ -296,6 +297,7 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
                 s,
             ),
             release=traced.release,
+            size_oblivious=True,
         ),
         MethodPlan(
             "encoder_step",
@@ -313,6 +315,7 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
                 traced, lambda: EncoderStep(model, EncoderState(c, s, dtype, dev)), (mel(), pos(0, 0)), [0, 0], s
             ),
             release=traced.release,
+            size_oblivious=True,
         ),
         MethodPlan(
             "preprocessor",
@@ -326,6 +329,7 @@ def plan_methods(model: VoxtralRealtime, opts: ExportOptions) -> list[MethodPlan
             ),
             [(wave(1),), (wave(2)[: min(2, s)],)],
             export=lambda: _export(traced, lambda: pre, (wave(),), [0], s),
+            size_oblivious=True,
         ),
     ]
 

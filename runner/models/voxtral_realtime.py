@@ -123,16 +123,17 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, theta: float, bias: bool):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim, self.theta = n_heads, n_kv_heads, head_dim, theta
-        self.sizes = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
-        self.qkv_proj = nn.Linear(dim, sum(self.sizes), bias=bias)
+        self.heads = [n_heads, n_kv_heads, n_kv_heads]  # q, k, v
+        self.qkv_proj = nn.Linear(dim, sum(self.heads) * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, ring: RingKV) -> torch.Tensor:
         b, s, d = x.shape[0], x.shape[1], self.head_dim  # x: [B, S, dim], pos: [B, S]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.unflatten(-1, (self.n_heads, d)).transpose(1, 2)  # a view of the slice: no reshape's guard on B
-        k = k.unflatten(-1, (self.n_kv_heads, d)).transpose(1, 2)
-        v = v.unflatten(-1, (self.n_kv_heads, d)).transpose(1, 2)
+        # Split into heads while the projection is contiguous, then into q, k, v. Inductor's view of a strided slice
+        # (each of q, k, v cut first) guards on B != 1 even when compiled size-obliviously; where B is at most 2
+        # (--max-streams 2) that leaves B only 2, and the program would take exactly two rows.
+        qkv = self.qkv_proj(x).unflatten(-1, (sum(self.heads), d))  # [B, S, H + 2 H_kv, D]
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(self.heads, dim=2))  # [B, H(_kv), S, D]
         cos, sin = (t.view(b, 1, s, d) for t in rope(pos.reshape(-1), d, self.theta, x.dtype))
         k, v = ring.update(pos, apply_rope(k, cos, sin), v)
         return self.o_proj(attend(apply_rope(q, cos, sin), k, v, mask))

@@ -192,8 +192,10 @@ def test_queued_requests_decode_together_and_a_bad_one_fails_alone(tiny_batch_bu
         with serving(model) as live, ThreadPoolExecutor(5) as pool:
             first = pool.submit(live.post, speech)
             assert entered.wait(60)
-            queued = [pool.submit(live.post, d) for d in (short, speech, short, b"not audio" * 50)]
-            wait_queued(live, 4, queued)
+            queued = []
+            for n, d in enumerate((short, speech, short, b"not audio" * 50), start=1):  # queued in this order
+                queued.append(pool.submit(live.post, d))
+                wait_queued(live, n, queued)
             release.set()
             answers = [f.result() for f in (first, *queued)]
             with httpx.Client(trust_env=False) as c:

@@ -131,7 +131,8 @@ def check_model(m: Any) -> None:
             need(isinstance(m[key], dict), f"model.{key}", m[key], "an object of method name -> value")
     _check_record(m, "capacity", _CAPACITY, required=("audio_seconds", "audio_positions"))
     if m.get("quant"):  # null or {}: unquantised
-        _check_record(m, "quant", _QUANT, required=tuple(_QUANT))
+        scheme = m["quant"].get("scheme") if isinstance(m["quant"], dict) else None
+        _check_record(m, "quant", _QUANT, required=_FP8_REQUIRED if scheme == "fp8" else tuple(_QUANT))
     _check_config(m["config"])
 
 
@@ -147,6 +148,7 @@ _QUANT = {
     "modules": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of names"),
     "n_linear": (lambda v: is_int(v), "a whole number >= 0"),
 }
+_FP8_REQUIRED = tuple(k for k in _QUANT if k != "group_size")  # one scale per output channel: no groups
 
 
 def _check_record(m: dict, key: str, fields: dict, required: tuple[str, ...]) -> None:

@@ -42,12 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-init", action="store_true", help="random weights for the preset (no checkpoint)")
     p.add_argument("--seed", type=whole(0, MAX_SEED), default=0, help="seed for --random-init")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default=None, help="default: bf16 on cuda or with --quant fp8, fp32 on cpu"
+    )
     p.add_argument(
         "--quant",
-        choices=["none", "int4"],
+        choices=["none", "int4", "fp8"],
         default="none",
-        help="int4: the decoder's linear layers weight-only int4 (groups of 128, a scale and a zero each, in tinygemm's layout)",
+        help="int4: the decoder's linear layers weight-only int4 (groups of 128, a scale and a zero each, in tinygemm's "
+        "layout); fp8: weight-only e4m3 with a scale per output channel (an FP8 checkpoint's layers kept as they are; "
+        "bf16 only)",
     )
     p.add_argument(
         "--max-audio-chunks",
@@ -150,7 +154,7 @@ def _options(args: argparse.Namespace, cache_dir: Path):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return ExportOptions(
         device=device,
-        dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+        dtype=args.dtype or ("bf16" if device == "cuda" or args.quant == "fp8" else "fp32"),
         max_seq_len=args.max_seq_len,
         max_audio_chunks=args.max_audio_chunks,
         debug=env.debug_compile or args.debug_compile,

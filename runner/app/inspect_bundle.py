@@ -109,6 +109,14 @@ def quant_line(quant: dict | None) -> str:
     """The manifest's `quant` record (runner/export/quant.py) in one line; none: unquantised."""
     if not quant:
         return "weights: unquantised (the bundle's dtype)"
+    if quant["scheme"] == "fp8":
+        kept = quant.get("from_checkpoint", 0)
+        prefill = {"scaled_mm": "; the prompt on the fp8 tensor cores (torch._scaled_mm)"}.get(quant.get("prefill"), "")
+        return (
+            f"weights: fp8 (e4m3) weight-only, a {quant['scale_dtype']} scale per output channel, "
+            f"{quant['n_linear']} linear layers ({', '.join(quant['modules'])})"
+            f"{f', {kept} as the checkpoint stored them' if kept else ''}{prefill}; the rest unquantised"
+        )
     return (
         f"weights: {quant['scheme']} weight-only, groups of {quant['group_size']}, "
         f"{'symmetric' if quant['symmetric'] else 'asymmetric (scale + zero)'} in {quant['scale_dtype']}, "

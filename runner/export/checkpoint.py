@@ -3,7 +3,8 @@
 A checkpoint directory holds `tekken.json` and either the HF files (config.json and `model.safetensors`, or
 sharded `model-0000x-of-0000y.safetensors` + index, in any layout `HF_LAYOUTS` names) or Mistral's own
 `params.json` + `consolidated.safetensors` (runner/export/mistral_format.py). When both are there, the HF files
-are read. Only safetensors is read: no pickle, ever.
+are read. Only safetensors is read: no pickle, ever. An FP8 checkpoint (compressed-tensors, float-quantized) is read
+dequantised, its fp8 layers kept beside the model for `--quant fp8` (runner/export/fp8_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 
 from runner.digests import sha256_file
 from runner.errors import ExportError
-from runner.export import mistral_format
+from runner.export import fp8_checkpoint, mistral_format
 from runner.families.voxtral import AUDIO_TOKEN, Tekken
 from runner.fixtures import fixtures_dir
 from runner.json_file import read_json_object
@@ -63,6 +64,9 @@ class ModelSource:
     # package: the pinned distribution the weights are converted from, {name, version, file, sha256}
     # (runner/export/regenerate.py converts them again from the installed package)
     package: dict[str, str] | None = None
+    # an FP8 checkpoint's codes and scales by our module names (the model holds them dequantised), which
+    # `--quant fp8` stores as they are; not part of the record (the digest already names the files)
+    fp8: fp8_checkpoint.Stored | None = field(default=None, compare=False, hash=False, repr=False)
 
     def to_dict(self) -> dict:
         d = {"kind": self.kind, "name": self.name, "weights_digest": self.weights_digest, "seed": self.seed}
@@ -106,8 +110,9 @@ def no_weights(ckpt: Path) -> ExportError:
     return ExportError(f"{ckpt}: no .safetensors weights{hint}")
 
 
-def read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
-    """Every tensor of the files, and a digest of the files (not of the tensors)."""
+def read_weights(files: list[Path], origins: dict[str, Path] | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of the files, and a digest of the files (not of the tensors); `origins`, if given, is told
+    which file holds each tensor."""
     state: dict[str, torch.Tensor] = {}
     digest = hashlib.sha256()
     for f in files:
@@ -118,6 +123,8 @@ def read_weights(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
                     state[k] = sf.get_tensor(k)
+                    if origins is not None:
+                        origins[k] = f
         except Exception as e:  # safetensors' own error types
             raise ExportError(f"{f}: cannot read safetensors ({e})") from None
     return state, digest.hexdigest()
@@ -163,11 +170,15 @@ def check_host_memory(config_file: Path, params: int, available: int | None) -> 
         )
 
 
-def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str]:
-    config = VoxtralConfig.from_hf_file(ckpt / "config.json")
-    check_host_memory(ckpt / "config.json", param_count(config), host_memory())
+def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str, fp8_checkpoint.Stored]:
+    config_file = ckpt / "config.json"
+    config = VoxtralConfig.from_hf_file(config_file)
+    quantization = fp8_checkpoint.read_config(config_file)
+    check_host_memory(config_file, param_count(config), host_memory())
     model = Voxtral(config)
-    state, digest = read_weights(files)
+    origins: dict[str, Path] = {}
+    state, digest = read_weights(files, origins)
+    state, stored = fp8_checkpoint.dequantize_state(state, origins, config_file, quantization)
     pairs = _hf_layout(state, set(model.to_hf_layout(model.state_dict())))
     renamed = {_rename(k, pairs): k for k in state}
     if len(renamed) < len(state):
@@ -178,7 +189,7 @@ def _load_hf(ckpt: Path, files: list[Path]) -> tuple[Voxtral, str]:
         source=str(ckpt),
         spell=lambda k: renamed.get(k) or _rename(k, pairs, backward=True),
     )
-    return model, digest
+    return model, digest, fp8_checkpoint.fuse({_rename(k, pairs): v for k, v in stored.items()}, model)
 
 
 def _load_mistral(ckpt: Path, files: list[Path], tokenizer: Tekken) -> tuple[Voxtral, str]:
@@ -191,7 +202,9 @@ def _load_mistral(ckpt: Path, files: list[Path], tokenizer: Tekken) -> tuple[Vox
         raise ExportError(f"{params_file}: {e}") from None
     check_host_memory(params_file, param_count(config), host_memory())
     model = Voxtral(config)
-    state, digest = read_weights(files)
+    origins: dict[str, Path] = {}
+    state, digest = read_weights(files, origins)
+    fp8_checkpoint.dequantize_state(state, origins, params_file, None)  # fp8 tensors: refused, never read as floats
     hf, names = mistral_format.to_hf_state(state, config)
     load_state(model, hf, source=str(ckpt), spell=lambda k: names.get(k) or mistral_format.mistral_name(k))
     return model, digest
@@ -213,11 +226,12 @@ def load_checkpoint(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> tup
     if not hf_files and not mistral_files:
         raise no_weights(ckpt)
     tokenizer = Tekken.from_file(tekken)  # a bad one is refused before minutes of loading weights
+    stored = None
     if hf_files:
-        model, digest = _load_hf(ckpt, hf_files)
+        model, digest, stored = _load_hf(ckpt, hf_files)
     else:
         model, digest = _load_mistral(ckpt, mistral_files, tokenizer)
-    source = ModelSource("checkpoint", ckpt.resolve().name, digest)
+    source = ModelSource("checkpoint", ckpt.resolve().name, digest, fp8=stored or None)
     return model.to(dtype).eval(), source, tekken
 
 

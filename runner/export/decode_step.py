@@ -7,7 +7,8 @@ folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and
 (RoPE, the cache write, attention over the valid positions only). A linear layer quantised to int4
 (`QuantLinear`, `--quant int4`) is aten's `_weight_int4pack_mm` (tinygemm, on the bundle's buffers as stored), its
 RMSNorm, residual add and SiLU(gate) * up plain torch around it, which Inductor fuses into one kernel each: our own
-int4 GEMVs were instruction-bound, slower than tinygemm (benchmarks/NOTES.md has the measurements). On
+int4 GEMVs were instruction-bound, slower than tinygemm (benchmarks/NOTES.md has the measurements). An fp8 layer
+(`Fp8Linear`, `--quant fp8`) takes the same plain-torch route: its weight dequantised to bf16, then the matmul. On
 CPU it is the plain decoder at S = 1.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runner.models.fp8_linear import Fp8Linear
 from runner.models.quant_linear import QuantLinear, few_rows
 from runner.models.voxtral import LanguageModel, RMSNorm, rope_inv_freq, silu_mul
 from runner.models.voxtral_config import TextConfig
@@ -55,7 +57,7 @@ class DecodeStep(nn.Module):
 
     def _rms_gemv(self, x, norm: RMSNorm, lin: nn.Module, glu: bool = False, out_f32: bool = False) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
-        if isinstance(lin, QuantLinear):
+        if isinstance(lin, QuantLinear | Fp8Linear):
             y = few_rows(lin, norm(x))
             if glu:
                 return silu_mul(y)
@@ -64,6 +66,6 @@ class DecodeStep(nn.Module):
 
     def _gemv_add(self, x, lin: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
-        if isinstance(lin, QuantLinear):
+        if isinstance(lin, QuantLinear | Fp8Linear):
             return residual + few_rows(lin, x)
         return ops.gemv_add(x, lin.weight, residual, pdl)

@@ -53,7 +53,7 @@ from runner.publish import (
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QUANTS = ("none", "int4")  # --quant: weight-only int4 of the decoder's linear layers (export/quant.py)
+QUANTS = ("none", "int4", "fp8")  # --quant: weight-only int4 or fp8 of the decoder's linear layers (export/quant.py)
 # Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
 PIPELINE_SOURCES = ("export/pipeline.py", "export/methods.py", "models/mel.py", "audio.py")
 
@@ -69,7 +69,7 @@ class ExportOptions:
     check: bool = True  # run every method against eager before publishing
     pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
     force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
-    quant: str = "none"  # "int4": the decoder's linear layers weight-only int4 (runner/export/quant.py)
+    quant: str = "none"  # "int4" / "fp8": the decoder's linear layers weight-only int4 / fp8 (runner/export/quant.py)
     max_streams: int | None = None  # a streaming family's stream slots batched in one step (None: its default)
     max_batch: int = 1  # a batching family: > 1 adds text_decoder_batch, that many sequences decoded in one step
     max_autotune: tuple[str, ...] = ()  # methods compiled with Inductor's max_autotune (GEMM templates benchmarked)
@@ -94,6 +94,10 @@ class ExportOptions:
         if self.quant == "int4" and self.device == "cuda" and self.dtype != "bf16":
             # tinygemm takes bf16 only: in fp32 every decode step would dequantise all the weights
             raise ExportError("--quant int4 on --device cuda needs --dtype bf16 (torch's int4 kernels take bf16)")
+        if self.quant == "fp8" and self.dtype != "bf16":  # on the CPU too: its bundle computes as the GPU's
+            raise ExportError(
+                "--quant fp8 needs --dtype bf16 (the fp8 layers compute in bf16: torch's fp8 matmul gives bf16)"
+            )
 
     @property
     def cache_root(self) -> Path:

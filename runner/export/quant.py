@@ -1,4 +1,6 @@
-"""Weight-only int4 quantisation at export (`--quant int4`): round-to-nearest, group-wise, asymmetric.
+"""Weight-only quantisation at export: int4 (`--quant int4`: round-to-nearest, group-wise, asymmetric, below) and
+fp8 (`--quant fp8`: e4m3 with a float32 scale per output channel, runner/models/fp8_linear.py; an FP8 checkpoint's
+layers are stored as the checkpoint holds them, the others quantised here). The same layers either way.
 
 - **Groups of 128 input columns** (`GROUP_SIZE`; a layer whose width 128 does not divide takes the largest of
   tinygemm's 32, 64 that does, `quant_linear.group_for`): a scale and a zero per 128 weights cost 4 bytes per 64
@@ -25,6 +27,8 @@ from torch import nn
 
 from runner.errors import ExportError
 from runner.export.registry import ExportFamily
+from runner.models import fp8_linear
+from runner.models.fp8_linear import Fp8Linear
 from runner.models.quant_linear import LAYOUT, QuantLinear, check_shape, pack, quantized_names, swap_module
 
 GROUP_SIZE = 128
@@ -56,17 +60,22 @@ def quantize_linear(lin: nn.Linear, group_size: int = GROUP_SIZE) -> QuantLinear
     return out
 
 
-def apply_quant(model: nn.Module, family: ExportFamily, quant: str, group_size: int = GROUP_SIZE) -> dict | None:
-    """Quantise the family's decoder linears (its `quant_modules`) in place (`quant` "int4"; "none" leaves the
-    model as it is) and return the manifest's `quant` record, which the eager reference rebuilds the layout from."""
+def apply_quant(
+    model: nn.Module, family: ExportFamily, quant: str, group_size: int = GROUP_SIZE, stored: dict | None = None
+) -> dict | None:
+    """Quantise the family's decoder linears (its `quant_modules`) in place (`quant` "int4" or "fp8"; "none" leaves
+    the model as it is) and return the manifest's `quant` record, which the eager reference rebuilds the layout
+    from. `stored`: an FP8 checkpoint's (codes, scales) by module name, which fp8 keeps as they are."""
     if quant == "none":
         return None
-    if quant != "int4":
-        raise ExportError(f"--quant {quant}: choose from none, int4")
+    if quant not in ("int4", "fp8"):
+        raise ExportError(f"--quant {quant}: choose from none, int4, fp8")
     patterns = list(family.quant_modules)
     names = quantized_names(model, patterns)
     if not names:
-        raise ExportError(f"--quant int4: no linear layer of the {family.name} model matches {patterns}")
+        raise ExportError(f"--quant {quant}: no linear layer of the {family.name} model matches {patterns}")
+    if quant == "fp8":
+        return apply_fp8(model, names, patterns, stored or {})
     for name in names:
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
@@ -83,4 +92,27 @@ def apply_quant(model: nn.Module, family: ExportFamily, quant: str, group_size: 
         "scale_dtype": str(next(model.get_submodule(n) for n in names).scales_and_zeros.dtype).removeprefix("torch."),
         "modules": patterns,
         "n_linear": len(names),
+    }
+
+
+def apply_fp8(model: nn.Module, names: list[str], patterns: list[str], stored: dict) -> dict:
+    """The linears `names` as Fp8Linear: a stored (checkpoint's) layer as it is, the others quantised per channel."""
+    kept = 0
+    for name in names:
+        lin = model.get_submodule(name)
+        if isinstance(lin, nn.Linear):
+            try:
+                swap_module(model, name, Fp8Linear.from_linear(lin, stored.get(name)))
+            except ValueError as e:  # a stored layer of another shape than the model's: the loader's to prevent
+                raise ExportError(f"--quant fp8: {name}: {e}") from None
+            kept += name in stored
+    return {
+        "scheme": "fp8",
+        "format": str(fp8_linear.FP8).removeprefix("torch."),
+        "symmetric": True,
+        "layout": fp8_linear.LAYOUT,
+        "scale_dtype": "float32",
+        "modules": patterns,
+        "n_linear": len(names),
+        "from_checkpoint": kept,  # layers whose codes and scales are the checkpoint's, as it stores them
     }

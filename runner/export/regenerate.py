@@ -95,13 +95,13 @@ def _draw(bundle_dir: Path, manifest: Manifest, family, progress) -> dict[str, d
 
     from runner.export.methods import method_weights
     from runner.export.pipeline import ExportOptions, prepare
-    from runner.export.quant import apply_quant
+    from runner.export.quant import GROUP_SIZE, apply_quant
 
     source, meta = manifest.model["source"], manifest.model
     for key in ("max_seq_len", "max_audio_chunks"):  # their ranges were checked as the manifest was read
         if key not in meta:
             raise BundleError(f"{bundle_dir / MANIFEST_NAME}: model.{key} is missing; the weights are drawn for it")
-    quant = meta.get("quant")  # an int4 bundle's weights are the drawn model quantised as its record says
+    quant = meta.get("quant")  # a quantised bundle's weights are the drawn model quantised as its record says
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[manifest.dtype]
     opts = ExportOptions(
         device=manifest.device,
@@ -126,7 +126,7 @@ def _draw(bundle_dir: Path, manifest: Manifest, family, progress) -> dict[str, d
         )
     model, _ = prepare(model, drawn, opts, family)
     if quant:
-        apply_quant(model, family, quant["scheme"], quant["group_size"])
+        apply_quant(model, family, quant["scheme"], quant.get("group_size", GROUP_SIZE))  # fp8: no groups
     tensors = {}
     for plan in family.redraw.plan_methods(model, opts):  # the family's methods give each weight file's tensors
         tensors.setdefault(plan.spec.weights, method_weights(plan, family.redraw.weights_filter))

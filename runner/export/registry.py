@@ -67,7 +67,9 @@ class ExportFamily:
     any_checkpoint: bool = False  # loads a checkpoint no other family claims (and says what is wrong with it)
     batching: bool = False  # takes --max-batch > 1 (a batched decode step)
     streams: bool = False  # takes --max-streams (stream slots batched in one step)
-    quant_modules: tuple[str, ...] = ()  # what --quant int4 replaces (fnmatch over module names); empty: no --quant
+    quant_modules: tuple[
+        str, ...
+    ] = ()  # what --quant int4 / fp8 replaces (fnmatch over module names); empty: no --quant
     redraw: Redraw | None = None  # its weights can be made again from the manifest's record
 
 

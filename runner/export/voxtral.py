@@ -43,7 +43,7 @@ from runner.export.pipeline import (
 from runner.export.quant import apply_quant
 from runner.export.registry import ExportFamily, Loaded, LoadRequest, Redraw, register
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
-from runner.models import voxtral
+from runner.models import fp8_linear, voxtral
 from runner.models.quant_linear import QuantLinear
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_batch import BatchDecoder, SlotCaches
@@ -62,8 +62,9 @@ SOURCE_FILES = (
     "export/kernels_int4.py",
     "export/quant.py",
     "models/quant_linear.py",
+    "models/fp8_linear.py",
 )
-# What `--quant int4` replaces: the decoder's linear layers (fnmatch patterns over the model's module names).
+# What `--quant int4` / `fp8` replaces: the decoder's linear layers (fnmatch patterns over the model's module names).
 QUANT_MODULES = ("language_model.model.layers.*", "language_model.lm_head")
 SEEDED_PRESET = "tiny"  # its weights are seeded, written once as a real checkpoint and loaded through the loader
 
@@ -135,7 +136,8 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     written-out prompt-only form for a dynamic length), with the whole-cache decoder as its
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
     with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
-    An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA."""
+    An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA; an fp8 model's
+    multiplies on the fp8 tensor cores (fp8_linear.scaled_mm) on an sm_89+ GPU, dequantising as its fallback."""
     c, dev, dtype, S = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_seq_len
     tiles = _triton_tiles(model, opts.device)
     if tiles:
@@ -166,7 +168,17 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
 
             # the int4 weights dequantised by the Triton op (the fallback keeps plain torch's)
             plan.export = lambda: kernels_int4.export_dequantizing(module, plan.example, plan.dynamic_shapes)
+    if fp8_linear.scaled_mm_serves(opts.device, module):
+        plan.fallback = plan.fallback or replace(plan, key_extra={"fallback": "dequantised"})
+        plan.key_extra = {"fp8": "scaled_mm"}
+        plan.export = lambda: _export_scaled(module, plan)
     return plan
+
+
+def _export_scaled(module: nn.Module, plan: MethodPlan) -> torch.export.ExportedProgram:
+    """torch.export of the prefill with its fp8 layers through `_scaled_mm` (the eager model keeps dequantising)."""
+    with fp8_linear.scaled_prefill(module):
+        return torch.export.export(module, plan.example, dynamic_shapes=plan.dynamic_shapes, strict=False)
 
 
 def step_plan(model: Voxtral, opts: ExportOptions, state, emb, reference: nn.Module) -> MethodPlan:
@@ -309,8 +321,11 @@ def export_voxtral(
         )
 
     model, meta = prepare(model, source, opts, EXPORT)
+    quant = apply_quant(model, EXPORT, opts.quant, stored=source.fp8)  # before planning: every method sees them
+    if opts.quant == "fp8":  # what text_decoder's plan does with them (`fallbacks` names it if its fallback was built)
+        quant["prefill"] = "scaled_mm" if fp8_linear.scaled_mm_serves(opts.device, model) else "dequantised"
     meta |= {
-        "quant": apply_quant(model, EXPORT, opts.quant),  # before planning: every method sees the int4 layers
+        "quant": quant,
         "max_audio_chunks": K,
         "tokens_per_chunk": TOKENS_PER_CHUNK,
         "capacity": capacity(K, S),

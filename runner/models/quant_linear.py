@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.errors import BundleError
+from runner.models import fp8_linear
+from runner.models.fp8_linear import Fp8Linear
 
 LAYOUT = "tinygemm"  # the manifest's quant record names it: older int4 bundles stored another layout
 GROUPS = (32, 64, 128, 256)  # what tinygemm's kernels take
@@ -144,11 +146,12 @@ def few_rows(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_names(model: nn.Module, patterns: list[str]) -> list[str]:
-    """The model's nn.Linear / QuantLinear modules whose names match one of the fnmatch `patterns`, in order."""
+    """The model's linear modules (nn.Linear, QuantLinear, Fp8Linear) whose names match one of the fnmatch
+    `patterns`, in order."""
     return [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear | QuantLinear) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        if isinstance(m, nn.Linear | QuantLinear | Fp8Linear) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
     ]
 
 
@@ -159,7 +162,10 @@ def swap_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def check_layout(record: dict) -> None:
     """Raise BundleError for a quant record of another layout than this runner reads (int4 bundles exported
-    before the codes were stored in tinygemm's layout: the older "planes")."""
+    before the codes were stored in tinygemm's layout: the older "planes"; fp8: fp8_linear.check_layout)."""
+    if record.get("scheme") == "fp8":
+        fp8_linear.check_layout(record)
+        return
     if record.get("layout") != LAYOUT:
         raise BundleError(
             f"its int4 codes are in the {record.get('layout', 'planes')!r} layout of an older exporter, not "
@@ -169,8 +175,11 @@ def check_layout(record: dict) -> None:
 
 def use_quant_layout(model: nn.Module, record: dict) -> list[str]:
     """Replace the modules the manifest's quant `record` names by empty QuantLinear ones of the same shapes (on the
-    same device, meta included), ready for a bundle's state dict: how the eager reference rebuilds an int4 model.
-    A record of another layout raises BundleError (`check_layout`)."""
+    same device, meta included), ready for a bundle's state dict: how the eager reference rebuilds an int4 model
+    (an fp8 record: Fp8Linear ones, fp8_linear.use_layout). A record of another layout raises BundleError
+    (`check_layout`)."""
+    if record.get("scheme") == "fp8":
+        return fp8_linear.use_layout(model, record)
     check_layout(record)
     names = quantized_names(model, record["modules"])
     for name in names:

@@ -28,10 +28,12 @@ def model_from_bundle(bundle_dir: Path, manifest, device: str = "cpu") -> Voxtra
     for method, pre in prefix.items():
         for k, v in load_file(str(Path(bundle_dir) / manifest.methods[method].weights), device=device).items():
             state["language_model." + k if k.startswith("lm_head.") else pre + k] = v
-    model = empty_model(lambda: Voxtral(config))  # no host-side fp32 copy of a large model
-    if quant := manifest.model.get("quant"):  # an int4 bundle: its linears as QuantLinear (packed codes, scales)
+    model = empty_model(lambda: Voxtral(config)).to(dtype)  # no host-side fp32 copy of a large model
+    if quant := manifest.model.get("quant"):  # a quantised bundle: its linears as QuantLinear / Fp8Linear
         use_quant_layout(model, quant)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    # each tensor in the dtype the model holds it in: the bundle's dtype, fp8 codes and their float32 scales
+    want = {k: t.dtype for k, t in model.state_dict().items()}
+    state = {k: v.to(want[k]) if k in want and v.is_floating_point() else v for k, v in state.items()}
     load_state(model, state, source=str(bundle_dir), assign=True)
     model.eval()
     model.setup_caches(manifest.model["max_seq_len"])

@@ -84,6 +84,7 @@ _SCALAR_TYPES = {
     7: torch.float64,
     11: torch.bool,
     15: torch.bfloat16,
+    24: torch.float8_e4m3fn,
 }
 
 

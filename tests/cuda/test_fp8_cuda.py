@@ -1,0 +1,64 @@
+"""fp8 on CUDA (`--quant fp8`): the prefill's `scaled_mm` (`torch._scaled_mm` on the fp8 tensor cores, row-wise scales)
+against float64 over the same e4m3 operands, at the 3B's sizes; a tiny bf16 fp8 bundle exports with its prompt
+through `_scaled_mm` (the exporter checks it against the eager, dequantising model), records it, and transcribes
+with tokens the eager model's. Skipped without an sm_89+ GPU: none of this ran where it was written (CPU only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import export_cached
+from torch import nn
+
+from runner.bundle import read_manifest
+from runner.models.fp8_linear import Fp8Linear, scaled_mm
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an sm_89+ CUDA device"
+)
+AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
+
+
+@pytest.mark.parametrize("m", [1, 16, 700])
+@pytest.mark.parametrize("n,k", [(128, 64), (6144, 3072), (3072, 8192), (16384, 3072)])
+def test_scaled_mm_is_the_matmul_of_the_e4m3_operands(m, n, k):
+    torch.manual_seed(0)
+    lin = Fp8Linear.from_linear(nn.Linear(k, n, bias=False).to("cuda", torch.bfloat16))
+    x = torch.randn(1, m, k, device="cuda").to(torch.bfloat16)
+    got = scaled_mm(lin, x)
+    sx = x[0].float().abs().amax(1, keepdim=True) / 448
+    xq = (x[0].float() / sx).to(torch.float8_e4m3fn).double() * sx.double()
+    want = xq @ lin.dequantize(torch.float64).T
+    assert got.dtype == torch.bfloat16 and got.shape == (1, m, n)
+    assert ((got[0].double() - want).abs().max() / want.abs().max()).item() < 1e-2
+    plain = lin(x)[0].double()  # the dequantised matmul, which the decode steps run: within the activations' rounding
+    assert ((got[0].double() - plain).abs().max() / plain.abs().max()).item() < 8e-2
+
+
+def test_a_tiny_fp8_bundle_exports_its_prompt_through_scaled_mm_and_transcribes(tiny_checkpoint, tmp_path_factory):
+    bundle = export_cached(
+        tiny_checkpoint,
+        tmp_path_factory.mktemp("cuda") / "tiny-fp8",
+        device="cuda",
+        dtype="bf16",
+        quant="fp8",
+        max_audio_chunks=1,
+        max_seq_len=1024,
+    )
+    model = read_manifest(bundle).model
+    assert model["quant"]["prefill"] == "scaled_mm" and "fallbacks" not in model, model.get("fallbacks")
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "run", "--bundle", str(bundle), "--json", "--reference", "eager",
+         "--max-new-tokens", "16", "--min-new-tokens", "16", "--audio", str(AUDIO / "speech.wav")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads(out.stdout.splitlines()[0])
+    assert len(record["tokens"]) == 16
+    # the eager reference dequantises in its prompt too; the bundle's prompt rounds its activations to e4m3
+    assert record["reference"]["ok"], record["reference"]

@@ -239,7 +239,7 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         module = traced.add(BatchDecoder(c, model.language_model, caches, attend))
         b = Dim("batch", min=1, max=n)
         # 2 rows: 1 would specialise B; size-oblivious tracing keeps the program general where the trace would
-        # guard on B != 1 (as the realtime steps and the mel's chunk dim)
+        # guard on B != 1 (as the realtime steps and the mel's chunk dim), and so does the compile (size_oblivious)
         with fx_config.patch(backed_size_oblivious=True):
             return torch.export.export(module, (emb(2), pos(0, 0)), dynamic_shapes=({0: b}, {0: b}), strict=False)
 
@@ -263,6 +263,7 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         export=export,
         key_extra={"max_batch": n},
         release=traced.release,
+        size_oblivious=True,
     )
     if _triton_tiles(model, opts.device):  # each row's own positions through the Triton op; the whole slot else
         from runner.export import kernels_batch  # imports Triton

@@ -26,14 +26,14 @@ class SlotKV(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos [B], k/v [B, H_kv, 1, D] written at row b's position -> rows 0..B-1 [B, H_kv, S, D]. One scatter
+        """pos [B], k/v [B, H_kv, D] written at row b's position -> rows 0..B-1 [B, H_kv, S, D]. One scatter
         into the buffer itself (a written view would not be a mutation of the exported program's state)."""
         b, h = k.shape[:2]
         rows = torch.arange(b, device=pos.device)[:, None]
         heads = torch.arange(h, device=pos.device)[None, :]
         index = (rows, heads, pos[:, None])  # broadcast to [B, H_kv]
-        self.k_cache.index_put_(index, k[:, :, 0])
-        self.v_cache.index_put_(index, v[:, :, 0])
+        self.k_cache.index_put_(index, k)
+        self.v_cache.index_put_(index, v)
         return self.k_cache[:b], self.v_cache[:b]
 
 
@@ -70,15 +70,16 @@ def slot_attention(
     write (the CUDA export's Triton op, export/kernels_batch.py); else written out over the whole slot."""
     c = attn.c
     n_kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
-    q, k, v = few_rows(attn.qkv_proj, x).split([c.n_heads * d, n_kv * d, n_kv * d], dim=-1)
-    # unflatten, not view: a view's trace guards on B != 1 (the batch dim is dynamic)
-    q = q.unflatten(-1, (n_kv, rep, d)).transpose(1, 2)  # [B, H_kv, 1, rep, D]: query heads folded as in Attention
-    k = k.unflatten(-1, (n_kv, d)).transpose(1, 2)  # [B, H_kv, 1, D]
-    v = v.unflatten(-1, (n_kv, d)).transpose(1, 2)
-    q = apply_rope(q, cos[:, None, None, None, :], sin[:, None, None, None, :])
-    k = apply_rope(k, cos[:, None, None, :], sin[:, None, None, :])
+    # Split into heads while the projection is contiguous, then into q, k, v, and fold the query heads after the
+    # rope (a tensor of its own). Inductor's view of a strided slice with B in it (q, k, v cut first, then each
+    # unflattened, or k[:, :, 0]) guards on B > 1 even when compiled size-obliviously; where B is at most 2
+    # (--max-batch 2) that leaves B only 2, and the program would take exactly two rows.
+    qkv = few_rows(attn.qkv_proj, x).unflatten(-1, (c.n_heads + 2 * n_kv, d))[:, 0]  # [B, H + 2 H_kv, D]
+    q, k, v = qkv.split([c.n_heads, n_kv, n_kv], dim=1)  # [B, H(_kv), D]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = kv.update(pos, k, v)  # [B, H_kv, S, D]
-    q = q.flatten(2, 3)  # [B, H_kv, rep, D]
+    q = q.unflatten(1, (n_kv, rep))  # [B, H_kv, rep, D]: query heads folded as in Attention
     if attend is not None:
         y = attend(q.contiguous(), keys, values, pos)
     else:

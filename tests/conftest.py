@@ -161,6 +161,23 @@ def realtime_slots_bundle(tmp_path_factory) -> Path:
     return export_realtime(tmp_path_factory.mktemp("rt") / "tiny-realtime-4", max_streams=4)
 
 
+def eager_checked_records(bundle: Path, names=("speech.wav", "short.wav"), new: int = 24) -> list[dict]:
+    """`run --json --reference eager` on fixture files, `new` tokens each: each file's record (the run passed)."""
+    import subprocess
+    import sys
+
+    audio = [x for n in names for x in ("--audio", str(AUDIO / n))]
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "run", "--bundle", str(bundle), "--json", "--reference", "eager",
+         "--max-new-tokens", str(new), "--min-new-tokens", str(new), *audio],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(records) == len(names) and all(len(r["tokens"]) == new for r in records)
+    return records
+
+
 def error_line(capsys) -> str:
     """The one `error:` line a command printed on stderr (and no traceback)."""
     err = capsys.readouterr().err

@@ -6,14 +6,11 @@ prefill's `_scaled_mm` is tests/cuda/test_fp8_cuda.py's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import as_random_init, export_cached
+from conftest import as_random_init, eager_checked_records, export_cached
 from safetensors import safe_open
 
 from runner.app.cli import main
@@ -70,17 +67,7 @@ def test_decoder_weights_are_e4m3_codes_with_float32_channel_scales(fp8_bundle, 
 
 
 def test_tokens_are_the_eager_models_over_the_same_dequantised_weights(fp8_bundle):
-    out = subprocess.run(
-        [sys.executable, "-m", "runner", "run", "--bundle", str(fp8_bundle), "--json", "--reference", "eager",
-         "--max-new-tokens", "24", "--min-new-tokens", "24", "--audio", str(AUDIO / "speech.wav"),
-         "--audio", str(AUDIO / "short.wav")],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(records) == 2
-    for r in records:
-        assert len(r["tokens"]) == 24
+    for r in eager_checked_records(fp8_bundle):
         # teacher-forced: with our tokens as the prefix, the eager model picks each of them; the logits differ by
         # bf16 rounding alone (Inductor's kernels against eager's)
         assert r["reference"]["first_divergence"] is None and r["reference"]["ok"], r["reference"]

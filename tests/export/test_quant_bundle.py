@@ -6,13 +6,11 @@ without them."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import as_random_init, export_cached
+from conftest import as_random_init, eager_checked_records, export_cached
 from safetensors import safe_open
 
 from runner.app.cli import main
@@ -52,17 +50,7 @@ def test_decoder_weights_are_packed_codes_and_scales_and_zeros(int4_bundle):
 
 
 def test_tokens_are_the_eager_int4_models(int4_bundle):
-    out = subprocess.run(
-        [sys.executable, "-m", "runner", "run", "--bundle", str(int4_bundle), "--json", "--reference", "eager",
-         "--max-new-tokens", "24", "--min-new-tokens", "24", "--audio", str(AUDIO / "speech.wav"),
-         "--audio", str(AUDIO / "short.wav")],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(records) == 2
-    for r in records:
-        assert len(r["tokens"]) == 24
+    for r in eager_checked_records(int4_bundle):
         # teacher-forced: with our tokens as the prefix, the eager int4 model picks each of them (fp32: exactly)
         assert r["reference"]["first_divergence"] is None and r["reference"]["ok"], r["reference"]
         assert r["reference"]["max_logit_error"] <= 1e-4 * max(r["reference"]["logit_scale"], 1.0)

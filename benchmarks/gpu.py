@@ -142,7 +142,11 @@ def mode_golden(c: Call) -> str:
     cache, which its jobs then find), run on the fixture audio: their golden tokens -> artifacts/golden/ and $OUT."""
     golden, notes = ROOT / "artifacts" / "golden", []
     golden.mkdir(parents=True, exist_ok=True)
-    env = {"VOXTRAL_RUNNER_CACHE": str(Path.home() / ".cache" / "voxtral-runner")}
+    from runner.app.options import Environment
+
+    # the compile cache a job finds: the runner's default, without the one setup points this call at
+    default = Environment.read({k: v for k, v in os.environ.items() if k != "VOXTRAL_RUNNER_CACHE"}).cache_dir
+    env = {"VOXTRAL_RUNNER_CACHE": str(default)}
     for name, preset, file in (("tiny", "tiny", "tiny.json"), ("3b", "voxtral-mini-3b", "voxtral-mini-3b-random.json")):
         out, log = f"artifacts/golden-{name}", f"golden_{name}.log"
         random = ["--random-init"] if preset != "tiny" else []

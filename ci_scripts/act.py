@@ -253,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd += ["--artifact-server-path", str(work / "artifact-server"), "--artifact-server-addr", "127.0.0.1"]
     cmd += ["--artifact-server-port", str(free_port()), "--cache-server-addr", "127.0.0.1"]
     cmd += ["--cache-server-path", str(work / "cache-server")]
-    if not docker_daemon():
+    on_host = not docker_daemon()
+    if on_host:
         cmd += ["-P", "ubuntu-latest=-self-hosted"]  # no docker daemon: steps run on this host
-    if not docker_daemon() or args.host_python:
+    if on_host or args.host_python:
         tool_cache(work, text, args.host_python)
     if args.runner_label:
         cmd += ["-P", f"{args.runner_label}=-self-hosted", "--var", f"CUDA_RUNNER_LABEL={args.runner_label}"]

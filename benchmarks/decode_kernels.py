@@ -17,6 +17,7 @@
     python benchmarks/decode_kernels.py --parts tune --fill 450     (each GEMV's config inside the step)
     python benchmarks/decode_kernels.py --parts attention --max-seq 10240 --attention-fills 385,2000,7510   (long cache)
     python benchmarks/decode_kernels.py --parts splits --max-seq 10240 --attention-fills 385,1885,7510
+    python benchmarks/decode_kernels.py --parts step,tune --fp8 --fill 450   (the step and its GEMVs on e4m3 codes)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from profile_decode import graph_ms
 
 from runner.export import kernels as K
 from runner.export.decode_step import DecodeStep
+from runner.models.fp8_linear import Fp8Linear
+from runner.models.quant_linear import swap_module
 from runner.models.voxtral import KVCache, LanguageModel, TextDecoder, apply_rope, rope
 from runner.models.voxtral_config import TextConfig
 
@@ -54,6 +57,14 @@ def build(c: TextConfig, max_seq: int, fill: int) -> LanguageModel:
             for t in (layer.self_attn.kv_cache.k_cache, layer.self_attn.kv_cache.v_cache):
                 t[:, :, :fill].copy_(torch.randn(t[:, :, :fill].shape, generator=g, device=DEV))
     return lm
+
+
+def to_fp8(lm: LanguageModel) -> None:
+    """Every linear of the decoder and lm_head to e4m3 with a scale per row (`--quant fp8`'s layers), in place."""
+    for name, m in list(lm.named_modules()):
+        if isinstance(m, torch.nn.Linear):
+            swap_module(lm, name, Fp8Linear.from_linear(m))
+    torch.cuda.empty_cache()
 
 
 def rms(x, g, eps):
@@ -262,7 +273,7 @@ def time_steps(lm, c, results, fill: int) -> None:
     results["step"] = out
 
 
-def tune_in_step(lm, c, results, fill: int) -> None:
+def tune_in_step(lm, c, results, fill: int, suffix: str = "") -> None:
     """Each GEMV kind's config, then attention's splits x BLOCK_T, tuned inside the whole step (eager, one CUDA
     graph), the other kinds held at the table's: in the step a kernel starts behind another's tail, which an
     isolated sweep does not see (session 12 tuned o_proj, gate_up and down this way, -0.075 ms; qkv and lm_head
@@ -272,12 +283,12 @@ def tune_in_step(lm, c, results, fill: int) -> None:
     pdl = K.pdl_supported(emb)  # the kernels wait (sm_90+): tune with programmatic edges
     step = DecodeStep(c, lm, pdl=pdl)
     d = c.head_dim
-    keys = {
-        "qkv": ("rms", (c.n_heads + 2 * c.n_kv_heads) * d, c.dim),
-        "o_proj": ("add", c.dim, c.n_heads * d),
-        "gate_up": ("rms_glu", c.ffn_dim, c.dim),
-        "down": ("add", c.dim, c.ffn_dim),
-        "lm_head": ("rms_f32", c.vocab_size, c.dim),
+    keys = {  # `suffix` "_fp8": the kinds of layers on e4m3 codes (--fp8)
+        "qkv": ("rms" + suffix, (c.n_heads + 2 * c.n_kv_heads) * d, c.dim),
+        "o_proj": ("add" + suffix, c.dim, c.n_heads * d),
+        "gate_up": ("rms_glu" + suffix, c.ffn_dim, c.dim),
+        "down": ("add" + suffix, c.dim, c.ffn_dim),
+        "lm_head": ("rms_f32" + suffix, c.vocab_size, c.dim),
     }
     out = results["in_step_tuning"] = {}
     with torch.no_grad():
@@ -289,10 +300,14 @@ def tune_in_step(lm, c, results, fill: int) -> None:
             out["pdl_ab"] = ab
             print(f"in-step PDL: plain {min(ab['plain']):.4f} ms/step, programmatic {min(ab['pdl']):.4f}", flush=True)
         for name, key in keys.items():
-            held = K.GEMV_CONFIGS.get(key, K.DEFAULT_GEMV)
+            held = K.gemv_config(*key)
             k_max = triton.next_power_of_2(key[2])
             grid = {held} | {
-                (bn, bk, w, 1) for bn in (2, 4, 8, 16) for bk in (1024, 2048, 4096) for w in (4, 8) if bk <= k_max
+                (bn, bk, w, 1)
+                for bn in ((4, 8, 16) if suffix else (2, 4, 8, 16))  # an e4m3 tile of 2 rows is too few bytes
+                for bk in (1024, 2048, 4096)
+                for w in (4, 8)
+                if bk <= k_max
             }
             rows = []
             for cfg in sorted(grid):
@@ -303,6 +318,8 @@ def tune_in_step(lm, c, results, fill: int) -> None:
             held_ms = next(ms for ms, cfg in rows if cfg == held)
             out[name] = {"best": rows[0][1], "best_ms": rows[0][0], "held": held, "held_ms": held_ms, "top5": rows[:5]}
             print(f"in-step {name}: best {rows[0][1]} {rows[0][0]:.4f} ms/step; the table's {held} {held_ms:.4f}")
+        if suffix:  # attention reads the same bf16 cache either way: tuned with the bf16 step
+            return
         # attention's splits x BLOCK_T likewise: in the step its cache reads come from HBM (the GEMVs between two
         # layers stream ~240 MB through L2), in the attention sweep largely from L2. BLOCK_T 256 needs more shared
         # memory than the H200 has (274 KB, session 14).
@@ -358,6 +375,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="one GEMV config (a smoke run)")
+    ap.add_argument("--fp8", action="store_true", help="the step and tune parts with the linears in e4m3 (--quant fp8)")
     ap.add_argument("--fill", type=int, default=512, help="cache positions already written (the step)")
     ap.add_argument(
         "--attention-fills", default="512,1000", help="cache fills for the attention sweep (the bench decodes 385-512)"
@@ -386,9 +404,13 @@ def main() -> None:
     cap = args.max_seq
     if not all(1 <= f <= cap for f in fills) or not 0 <= args.fill < cap:  # the sweep's caches hold --max-seq
         ap.error(f"--attention-fills: 1 to {cap} positions each; --fill: a position from 0 to {cap - 1}")
+    if args.fp8 and parts - {"step", "tune"}:
+        ap.error("--fp8: only the step and tune parts run on e4m3 codes")
     c = TextConfig()
     lm = build(c, cap, max(fills + [args.fill + 1]))
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.fp8:
+        to_fp8(lm)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fp8": args.fp8}
     try:
         if "gemv" in parts:  # the best configs replace the table's for the step below
             best = sweep_gemv(lm, c, results, args.quick)
@@ -401,7 +423,7 @@ def main() -> None:
         if "step" in parts:
             time_steps(lm, c, results, args.fill)
         if "tune" in parts:
-            tune_in_step(lm, c, results, args.fill)
+            tune_in_step(lm, c, results, args.fill, "_fp8" if args.fp8 else "")
         if "splits" in parts:
             splits_in_step(lm, c, results, fills, cap)
     finally:

@@ -24,6 +24,10 @@ line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with
     realtime    the 4B Realtime bundle (--rt-streams slots), then `stream --bench` (--rt-bench-args) -> realtime.json
     export_int4 the 3B bundle with --quant int4 -> --bundle-int4;  bench_int4: ours alone on it
     int4        int4_kernels.py --int4-args -> int4.json
+    fp8_kernels decode_kernels.py's whole step in bf16 and on e4m3 codes, then each fp8 GEMV's config tuned in the
+                step -> decode_kernels_{bf16,fp8}.json
+    export_fp8  the 3B bundle with --quant fp8 -> --bundle-fp8;  fp8: it and --bundle, ours alone, alternating twice
+                -> fp8.md
     small24b    Voxtral-Small-24B dims, random init: export (other bundles deleted for the disk), then bench
     throughput  --tp-files files of 30 s at each batch of --tp-batches -> bench_tp.json
     serve       `serve` on the --max-batch bundle, --serve-clients clients sending that 30 s file (serve_load.py),
@@ -81,10 +85,10 @@ LIMITS = {
     "setup": 120, "tests": 420, "export": 420, "bench": 300, "long": 420, "memory": 150, "firstrun": 300,
     "weights": 240, "regen": 180, "ab": 300, "profile": 90, "kernels": 540, "prefill": 180, "whisper": 540,
     "soak": 540, "realtime": 480, "export_int4": 420, "bench_int4": 200, "int4": 300, "small24b": 560,
-    "throughput": 240, "golden": 420, "act": 580, "serve": 540,
+    "throughput": 240, "golden": 420, "act": 580, "serve": 540, "fp8_kernels": 420, "export_fp8": 420, "fp8": 420,
 }  # fmt: skip
 KEEP = ("summary.md", "summary.json", "act_summaries.tar.gz", "tiny.json", "voxtral-mini-3b-random.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
-        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "firstrun.md", "weights.md")  # fmt: skip
+        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "fp8.md", "firstrun.md", "weights.md")  # fmt: skip
 
 
 # ---------------------------------------------------------------- modes: each returns its summary line
@@ -425,6 +429,42 @@ def mode_export_int4(c: Call) -> str:
 
 def mode_bench_int4(c: Call) -> str:
     return bench(c, "bench_3b_int4", c.cfg.bundle_int4, *BENCH_ARGS, compare="none")
+
+
+def mode_fp8_kernels(c: Call) -> str:
+    """The decode step eager in one CUDA graph, bf16 then fp8 (two processes, one card), and the fp8 GEMVs' configs
+    tuned inside the step: what the fp8 kernels buy before an export, and the table's entries for them."""
+    steps = {}
+    for name, extra in (("bf16", ["--parts", "step"]), ("fp8", ["--parts", "step,tune", "--fp8"])):
+        out = c.out / f"decode_kernels_{name}.json"
+        rc = c.script("decode_kernels.py", *extra, "--fill", c.cfg.kernel_fill, "--out", str(out),
+                      log=f"decode_kernels_{name}.log")  # fmt: skip
+        c.check(rc, f"decode_kernels.py ({name})", f"decode_kernels_{name}.log")
+        steps[name] = (c.read_json(out.name) or {}).get("step", {})
+    ms = {k: v.get("step_compiled_ms", float("nan")) for k, v in steps.items()}
+    tuned = (c.read_json("decode_kernels_fp8.json") or {}).get("in_step_tuning", {})
+    best = ", ".join(f"{k} {v['best']}" for k, v in tuned.items() if k != "pdl_ab" and "best" in v)
+    return f"step compiled: bf16 {ms['bf16']:.3f} ms, fp8 {ms['fp8']:.3f} ms; fp8 best in step: {best}"
+
+
+def mode_export_fp8(c: Call) -> str:
+    return export_3b(c, c.cfg.bundle_fp8, "--quant", "fp8", log="3b_fp8_export.log")
+
+
+def mode_fp8(c: Call) -> str:
+    """--bundle (bf16) and --bundle-fp8, ours alone, alternating twice on one card -> fp8.md."""
+    got = []
+    for i in (1, 2):
+        for name, bundle in (("bf16", c.cfg.bundle), ("fp8", c.cfg.bundle_fp8)):
+            try:
+                got.append(
+                    (f"{name} {i}", bundle, bench(c, f"bench_3b_{name}{i}", bundle, *BENCH_ARGS, compare="none"))
+                )
+            except Failed as e:
+                got.append((f"{name} {i}", bundle, f"FAILED: {e}"))
+    rows = ["| run | bundle | figures |", "|---|---|---|", *(f"| {r} | `{b}` | {f} |" for r, b, f in got)]
+    (c.out / "fp8.md").write_text("\n".join(rows) + "\n")
+    return "; ".join(f"{r}: {f}" for r, _, f in got)
 
 
 def drop_24b(c: Call) -> None:

@@ -27,6 +27,7 @@ class Config:
 
     bundle: str = "artifacts/3b"
     bundle_int4: str = "artifacts/3b-int4"
+    bundle_fp8: str = "artifacts/3b-fp8"
     bundle_24b: str = "artifacts/24b"
     export_args: str = "--max-seq-len 1024 --max-audio-chunks 1"  # the headline shape ("": the default capacity)
     compare: str = "hf,hf-compile"

@@ -8,8 +8,8 @@ folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and
 (`QuantLinear`, `--quant int4`) is aten's `_weight_int4pack_mm` (tinygemm, on the bundle's buffers as stored), its
 RMSNorm, residual add and SiLU(gate) * up plain torch around it, which Inductor fuses into one kernel each: our own
 int4 GEMVs were instruction-bound, slower than tinygemm (benchmarks/NOTES.md has the measurements). An fp8 layer
-(`Fp8Linear`, `--quant fp8`) takes the same plain-torch route: its weight dequantised to bf16, then the matmul. On
-CPU it is the plain decoder at S = 1.
+(`Fp8Linear`, `--quant fp8`) runs the same GEMV kernels on its e4m3 codes, each row's sum scaled once: the step
+reads a byte per weight. On CPU it is the plain decoder at S = 1.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class DecodeStep(nn.Module):
 
     def _rms_gemv(self, x, norm: RMSNorm, lin: nn.Module, glu: bool = False, out_f32: bool = False) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
+        if fp8_kernel(lin):
+            return ops.rms_gemv_fp8(x, norm.weight, lin.qweight, lin.weight_scale, norm.eps, glu, out_f32, pdl)
         if isinstance(lin, QuantLinear | Fp8Linear):
             y = few_rows(lin, norm(x))
             if glu:
@@ -66,6 +68,13 @@ class DecodeStep(nn.Module):
 
     def _gemv_add(self, x, lin: nn.Module, residual: torch.Tensor) -> torch.Tensor:
         ops, pdl = torch.ops.voxtral, self.pdl
+        if fp8_kernel(lin):
+            return ops.gemv_add_fp8(x, lin.qweight, lin.weight_scale, residual, pdl)
         if isinstance(lin, QuantLinear | Fp8Linear):
             return residual + few_rows(lin, x)
         return ops.gemv_add(x, lin.weight, residual, pdl)
+
+
+def fp8_kernel(lin: nn.Module) -> bool:
+    """Whether the GEMV kernels serve this fp8 layer: they have no bias epilogue (the Voxtral decoder has none)."""
+    return isinstance(lin, Fp8Linear) and lin.bias is None

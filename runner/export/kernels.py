@@ -47,7 +47,9 @@ def attention_splits(max_seq: int) -> int:
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
-    block_n, block_k, warps, stages = GEMV_CONFIGS.get((kind, n, k), DEFAULT_GEMV)
+    """The table's config for a GEMV kind at (N, K); an fp8 kind (`rms_fp8`, ...) not in it takes its bf16 kind's."""
+    base = GEMV_CONFIGS.get((kind.removesuffix("_fp8"), n, k), DEFAULT_GEMV)
+    block_n, block_k, warps, stages = GEMV_CONFIGS.get((kind, n, k), base)
     return block_n, min(block_k, triton.next_power_of_2(k)), warps, stages
 
 
@@ -102,6 +104,7 @@ def _gemv_kernel(
     x_ptr,
     g_ptr,
     w_ptr,
+    s_ptr,
     r_ptr,
     out_ptr,
     N,
@@ -109,6 +112,7 @@ def _gemv_kernel(
     EPS: tl.constexpr,
     NORM: tl.constexpr,
     GLU: tl.constexpr,
+    SCALED: tl.constexpr,
     RESIDUAL: tl.constexpr,
     OUT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,6 +122,10 @@ def _gemv_kernel(
     """out[n] = sum_k W[n, k] * x'[k] (+ r[n]) for BLOCK_N rows, with x' = RMSNorm(x) * g when NORM. With GLU, W
     holds 2N rows (gate, then up) and out[n] = silu(gate[n]) * up[n]. Roundings follow the eager bf16 model
     (each linear's output is bf16 before the next elementwise op); the sum is float32.
+
+    SCALED: W holds e4m3 codes and s [N] (2N with GLU) a float32 scale per row, W[n, k] = codes[n, k] * s[n]
+    (`--quant fp8`): the codes are widened in registers and each row's sum scaled once, so the weight streams at
+    one byte an element. The eager model rounds the dequantised weight to bf16 first; here it is not rounded.
 
     The first weight tile is loaded before anything the kernel before this one wrote: with PDL (programmatic
     dependent launch, `runner/pdl.py`) this kernel starts while that one finishes, its weights already on the
@@ -139,12 +147,16 @@ def _gemv_kernel(
         w, wu = _gemv_weights(w_ptr, rows, kk, N, K, row_ok, GLU)
         acc, acc_up, sumsq = _gemv_accumulate(x_ptr, g_ptr, kk, K, w, wu, acc, acc_up, sumsq, NORM, GLU)
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / K + EPS)
         y = y * rstd
     y = y.to(tl.bfloat16).to(tl.float32)
     if GLU:
         up = tl.sum(acc_up, axis=1)
+        if SCALED:
+            up = up * tl.load(s_ptr + rows + N, mask=row_ok, other=0.0)
         if NORM:
             up = up * rstd
         up = up.to(tl.bfloat16).to(tl.float32)
@@ -165,17 +177,19 @@ def pdl_supported(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
-def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=False, pdl=False, config=None):
-    """Launch `_gemv_kernel`; `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the table (sweeps)."""
+def _launch_gemv(x, w, *, g=None, scale=None, residual=None, eps=0.0, glu=False, out_f32=False, pdl=False, config=None):
+    """Launch `_gemv_kernel`; `scale`: w is e4m3 codes with a float32 scale per row; `config` (BLOCK_N, BLOCK_K,
+    num_warps, num_stages) overrides the table (sweeps)."""
     n = w.shape[0] // 2 if glu else w.shape[0]
     k = w.shape[1]
     kind = "add" if residual is not None else "rms_glu" if glu else "rms_f32" if out_f32 else "rms"
-    block_n, block_k, warps, stages = config or gemv_config(kind, n, k)
+    block_n, block_k, warps, stages = config or gemv_config(kind + ("_fp8" if scale is not None else ""), n, k)
     out = torch.empty(n, dtype=torch.float32 if out_f32 else x.dtype, device=x.device)
     wrap_triton(_gemv_kernel)[(triton.cdiv(n, block_n),)](
         x,
         g if g is not None else x,  # unused pointers: any tensor
         w,
+        scale if scale is not None else x,
         residual if residual is not None else x,
         out,
         n,
@@ -183,6 +197,7 @@ def _launch_gemv(x, w, *, g=None, residual=None, eps=0.0, glu=False, out_f32=Fal
         EPS=eps,
         NORM=g is not None,
         GLU=glu,
+        SCALED=scale is not None,
         RESIDUAL=residual is not None,
         OUT_F32=out_f32,
         BLOCK_N=block_n,
@@ -207,6 +222,29 @@ def rms_gemv(
 def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """x [K], w [N, K], residual [N] -> residual + w @ x, bf16."""
     return _launch_gemv(x, w, residual=residual, pdl=pdl)
+
+
+@triton_op("voxtral::rms_gemv_fp8", mutates_args=())
+def rms_gemv_fp8(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    glu: bool,
+    out_f32: bool,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """rms_gemv over an fp8 layer: codes [N, K] float8_e4m3fn (or [2N, K] with glu), scale [N] (2N) float32."""
+    return _launch_gemv(x, codes, g=g, scale=scale, eps=eps, glu=glu, out_f32=out_f32, pdl=pdl)
+
+
+@triton_op("voxtral::gemv_add_fp8", mutates_args=())
+def gemv_add_fp8(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor, pdl: bool = False
+) -> torch.Tensor:
+    """gemv_add over an fp8 layer: residual + (codes * scale[:, None]) @ x, bf16."""
+    return _launch_gemv(x, codes, scale=scale, residual=residual, pdl=pdl)
 
 
 @triton.jit

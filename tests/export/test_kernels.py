@@ -18,6 +18,7 @@ from runner.export import kernels as K  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
 from runner.export.quant import apply_quant  # noqa: E402
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT  # noqa: E402
+from runner.models.fp8_linear import quantize as quantize_fp8  # noqa: E402
 from runner.models.voxtral import Voxtral, apply_rope, rope, rope_inv_freq  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
@@ -70,6 +71,33 @@ def test_rms_gemv_glu(n, k):
     gate, up = F.linear(rms(x, norm, 1e-5), w).chunk(2)
     got = K._launch_gemv(x, w, g=norm, eps=1e-5, glu=True, config=(8, 64, 4, 1))
     assert got.shape == (n,) and rel(got, F.silu(gate) * up) < 2e-2
+
+
+def _fp8(w):
+    """w -> (codes, scales) and the float64 weight they stand for: the reference the fp8 GEMVs are held to."""
+    codes, scale = quantize_fp8(w.cpu())
+    return codes.to(DEV), scale.to(DEV), codes.double() * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind", ["rms", "rms_glu", "rms_f32", "add"])
+def test_fp8_gemvs_match_float64_over_the_same_codes(n, k, kind):
+    """The kernels on e4m3 codes with a scale per row against float64 over the dequantised weight: every kind, the
+    scale of the up half (rows n..2n) included. The tolerance is the bf16 kernels' (the output's rounding); a scale
+    left out or applied to the wrong row is off by the rows' spread of scales (tens of percent)."""
+    glu = kind == "rms_glu"
+    x, norm, w, r = _gemv_inputs(n, k, rows=2 if glu else 1, seed=4)
+    w = w * torch.linspace(0.2, 3.0, w.shape[0], device=DEV)[:, None].to(w.dtype)  # distinct scales per row
+    codes, scale, wd = _fp8(w)
+    xs = rms(x, norm, 1e-5) if kind != "add" else x
+    y = xs.cpu().double() @ wd.T
+    if kind == "add":
+        got, want = K.gemv_add_fp8(x, codes, scale, r), r.cpu().double() + y
+    else:
+        got = K.rms_gemv_fp8(x, norm, codes, scale, 1e-5, glu, kind == "rms_f32")
+        want = F.silu(y[:n]) * y[n:] if glu else y
+    assert got.shape == (n,) and got.dtype == (torch.float32 if kind == "rms_f32" else torch.bfloat16)
+    assert rel(got.cpu(), want) < 2e-2
 
 
 def test_rms_gemv_float32_logits():
@@ -139,12 +167,12 @@ def test_attention_splits_follow_the_capacity():
     assert K.attention_splits(8192) == K.attention_splits(10240) == K.LONG_SPLITS == 16
 
 
-@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("quant", ["none", "int4", "fp8"])
 def test_decode_step_matches_the_decoder(quant):
     """Prefill 8 positions with the written-out decoder, then 3 steps with each; logits and caches agree. With
     int4 (the decoder dequantises in torch) the step's linears are tinygemm on a GPU in bf16, elsewhere the
     dequantised matmul: then this checks the step's wiring (norms, residuals, SiLU * up around each linear);
-    tinygemm itself: tests/cuda/test_int4_cuda.py."""
+    tinygemm itself: tests/cuda/test_int4_cuda.py. With fp8 the step's GEMV kernels read the e4m3 codes."""
     torch.manual_seed(0)
     m = Voxtral(preset("tiny")).init_weights(0).to(DEV, DOT_DTYPE)
     apply_quant(m, VOXTRAL_EXPORT, quant)

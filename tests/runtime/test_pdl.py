@@ -47,13 +47,17 @@ bf16, f32 = torch.bfloat16, torch.float32
 z = lambda n, dt=bf16: torch.zeros(n, dtype=dt)
 out = {}
 for pdl in (False, True):
-    gemv = dict(x_ptr=z(256), g_ptr=z(256), w_ptr=z(64 * 256), r_ptr=z(64), out_ptr=z(64), N=64, K=256, EPS=1e-5,
-                NORM=True, GLU=False, RESIDUAL=True, OUT_F32=False, BLOCK_N=4, BLOCK_K=256, PDL=pdl)
+    gemv = dict(x_ptr=z(256), g_ptr=z(256), w_ptr=z(64 * 256), s_ptr=z(64, f32), r_ptr=z(64), out_ptr=z(64), N=64,
+                K=256, EPS=1e-5, NORM=True, GLU=False, SCALED=False, RESIDUAL=True, OUT_F32=False, BLOCK_N=4,
+                BLOCK_K=256, PDL=pdl)
+    # the fp8 layers' form: e4m3 codes and a float32 scale per row
+    fp8 = gemv | dict(w_ptr=z(64 * 256, torch.float8_e4m3fn), SCALED=True)
     attention = dict(qkv_ptr=z(12 * 64), cos_ptr=z(64), sin_ptr=z(64), k_ptr=z(2 * 32 * 64), v_ptr=z(2 * 32 * 64),
                      pos_ptr=z(1, torch.int64), count_ptr=z(2, torch.int32), count_offset=0, m_ptr=z(64, f32),
                      l_ptr=z(64, f32), acc_ptr=z(64 * 64, f32), out_ptr=z(8 * 64), max_seq=32, SM_SCALE=0.125, H=8,
                      H_KV=2, D=64, BLOCK_H=16, REP_P2=4, BLOCK_T=16, SPLITS=2, PDL=pdl)
-    out[str(pdl)] = {"gemv": written(K._gemv_kernel, gemv), "attention": written(K._attention_kernel, attention)}
+    out[str(pdl)] = {"gemv": written(K._gemv_kernel, gemv), "gemv_fp8": written(K._gemv_kernel, fp8),
+                     "attention": written(K._attention_kernel, attention)}
 print(json.dumps(out))
 """
 
@@ -67,5 +71,5 @@ def test_the_waiting_kernels_write_what_the_plain_ones_write():
 
     got = on_h200_target(ANALYSE, env={"VOXTRAL_RUNNER_PDL": "1"})
     assert got["True"] == got["False"]
-    assert got["False"]["gemv"] == ["out_ptr"]
+    assert got["False"]["gemv"] == got["False"]["gemv_fp8"] == ["out_ptr"]
     assert "qkv_ptr" not in got["False"]["attention"] and "out_ptr" in got["False"]["attention"]

@@ -1,7 +1,9 @@
-"""Runtime audio front end: read a file into float32 mono 16 kHz samples and cut it into 30 s chunks.
+"""Runtime audio front end: read a file (or a WAV stream) into float32 mono 16 kHz samples, and the constants every
+other module derives its shapes from, with how much audio one prompt's context is sized for.
 
 The mel spectrogram itself is computed by the exported `preprocessor` method (runner/export/mel.py), so this
-module needs no torch. The constants below are the ones every other module derives its shapes from.
+module needs no torch. Samples fitted to a bundle's chunks and windows: runner/audio_chunks.py; the WAV header's
+bytes: runner/wav_header.py.
 """
 
 from __future__ import annotations
@@ -9,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import struct
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from runner.errors import AudioError
+from runner.wav_header import WAV_CODECS, WAV_UNKNOWN_SIZES, check_wav_not_truncated, wav_format_tag, wav_stream_header
 
 if (
     TYPE_CHECKING
@@ -33,10 +35,6 @@ TOKENS_PER_CHUNK = N_FRAMES // 2 // 4
 MIN_RATE, MAX_RATE = 1000, 768000  # Hz; outside this a header is damaged, not a recording
 MAX_SECONDS = 4 * 3600  # longer than any bundle takes by far; refused before decoding
 MAX_SAMPLES = 1 << 29  # frames x channels: 2 GiB of float32
-_WAV_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the data size unset
-# WAV format tags libsndfile decodes: PCM, MS ADPCM, float, A-law, mu-law, IMA ADPCM, GSM 6.10, G.721, MPEG-3,
-# extensible. Only used to word the error for a file libsndfile has already refused.
-_WAV_CODECS = {0x0001, 0x0002, 0x0003, 0x0006, 0x0007, 0x0011, 0x0031, 0x0040, 0x0055, 0xFFFE}
 
 
 def load_audio(path: str | os.PathLike) -> np.ndarray:
@@ -54,7 +52,7 @@ def load_audio(path: str | os.PathLike) -> np.ndarray:
         raise AudioError(f"audio path is not a file: {path}")
     if os.path.getsize(path) == 0:
         raise AudioError(f"audio file is empty (0 bytes): {path}")
-    _check_wav_not_truncated(path)
+    check_wav_not_truncated(path)
 
     wave = _load_soundfile(path)
     if wave is None:
@@ -160,7 +158,7 @@ def _load_soundfile(path: str) -> np.ndarray | None:
             _check_complete(path, mono.frames, declared, estimated)
             return mono.result()
     except sf.LibsndfileError as e:
-        if "Error opening" in str(e) or _wav_format_tag(path) not in (None, *_WAV_CODECS):
+        if "Error opening" in str(e) or wav_format_tag(path) not in (None, *WAV_CODECS):
             return None  # "Format not recognised" / "Malformed 'fmt ' chunk": not libsndfile's to read
         raise AudioError(f"truncated or corrupt audio: {path} ({_one_line(e)})") from None
     except (RuntimeError, ValueError, TypeError) as e:
@@ -295,17 +293,12 @@ def _unreadable(path: str, container, why: str | Exception) -> AudioError:
     from av.error import FFmpegError as av_error
 
     detail = f"ffmpeg: {why.strerror}" if isinstance(why, av_error) else why
-    tag = _wav_format_tag(path)
-    if tag is not None and tag not in _WAV_CODECS:  # libsndfile only says "Malformed 'fmt ' chunk"
+    tag = wav_format_tag(path)
+    if tag is not None and tag not in WAV_CODECS:  # libsndfile only says "Malformed 'fmt ' chunk"
         return AudioError(
             f"unsupported WAV codec (format tag 0x{tag:04x}): {path}; convert it to PCM WAV, FLAC or Ogg ({detail})"
         )
     return AudioError(f"not a readable audio file: {path} (container: {_container_name(path, container)}; {detail})")
-
-
-def num_chunks(num_samples: int) -> int:
-    """How many 30 s chunks `num_samples` samples need (ceil); at least one, so empty input still has a chunk."""
-    return max(1, math.ceil(num_samples / N_SAMPLES))
 
 
 # ---------------------------------------------------------------- capacity: how much audio one prompt takes
@@ -327,61 +320,6 @@ def context_for(chunks: int) -> int:
     return -(-need // 512) * 512
 
 
-# ---------------------------------------------------------------- windows: audio longer than one prompt takes
-
-CUT_FRAME = SAMPLE_RATE // 10  # 100 ms: the unit the quietest point is chosen in
-CUT_SEARCH = 10 * SAMPLE_RATE  # how far before a window's limit its cut is looked for
-
-
-def window_bounds(wave: np.ndarray, capacity: int) -> list[tuple[int, int]]:
-    """[start, end) sample ranges, each at most `capacity` samples, that cover `wave` end to end: one range if it
-    fits. Otherwise each window ends at the quietest point near its limit: the 100 ms frame of least energy
-    (the latest of equals) among those in the last 10 s before the limit (the last third of the capacity, if
-    that is shorter), cut at the frame's middle; the next window starts there. Only those 10 s are read."""
-    import numpy as np
-
-    n = len(wave)
-    search = max(CUT_FRAME, min(CUT_SEARCH, capacity // 3) // CUT_FRAME * CUT_FRAME)
-    bounds, start = [], 0
-    while n - start > capacity:
-        limit = start + capacity
-        frames = wave[limit - search : limit].reshape(-1, CUT_FRAME)  # a view: frames ending at the limit
-        energy = np.square(frames, dtype=np.float64).sum(axis=1)
-        last_min = len(energy) - 1 - int(np.argmin(energy[::-1]))
-        cut = limit - search + last_min * CUT_FRAME + CUT_FRAME // 2
-        bounds.append((start, cut))
-        start = cut
-    bounds.append((start, n))
-    return bounds
-
-
-def audio_windows(wave: np.ndarray, max_chunks: int) -> list[np.ndarray]:
-    """`wave` cut into windows of at most `max_chunks` chunks (window_bounds); views into it, never copies, so
-    a long recording is held in memory once however many windows it takes."""
-    return [wave[s:e] for s, e in window_bounds(wave, max_chunks * N_SAMPLES)]
-
-
-def checked_chunks(num_samples: int, max_chunks: int) -> int:
-    """num_chunks(num_samples), refusing audio longer than the bundle was exported for."""
-    n = num_chunks(num_samples)
-    if n > max_chunks:
-        raise AudioError(
-            f"audio is {num_samples / SAMPLE_RATE:.1f} s long ({n} chunks of {CHUNK_LENGTH} s); "
-            f"this bundle takes at most {max_chunks} chunks ({max_chunks * CHUNK_LENGTH} s)"
-        )
-    return n
-
-
-def pad_to_chunks(wave: np.ndarray, max_chunks: int) -> np.ndarray:
-    """Zero-pad `wave` to a whole number of chunks, refusing audio longer than the bundle was exported for."""
-    import numpy as np
-
-    n = checked_chunks(len(wave), max_chunks)
-    out = np.zeros(n * N_SAMPLES, dtype=np.float32)
-    out[: len(wave)] = wave
-    return out
-
-
 # ---------------------------------------------------------------- a WAV stream (stdin): header, then blocks
 
 # numpy dtypes of the WAV sample encodings a stream may carry, by (format tag, bits per sample)
@@ -401,7 +339,7 @@ def wav_stream_blocks(read, block: int, name: str = "stdin") -> Iterator[np.ndar
     import numpy as np
     import soxr
 
-    tag, channels, rate, bits, size = _wav_stream_header(read, name)
+    tag, channels, rate, bits, size = wav_stream_header(read, name)
     dtype = _WAV_STREAM_DTYPES.get((tag, bits))
     if dtype is None:
         raise AudioError(f"unsupported WAV encoding on {name} (format tag 0x{tag:04x}, {bits} bits); pipe PCM or "
@@ -409,7 +347,7 @@ def wav_stream_blocks(read, block: int, name: str = "stdin") -> Iterator[np.ndar
     _check_plausible(name, rate, 0, channels)
     width = bits // 8 * channels
     resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32") if rate != SAMPLE_RATE else None
-    left = None if size in _WAV_UNKNOWN_SIZES else size
+    left = None if size in WAV_UNKNOWN_SIZES else size
     tail = b""
     while left is None or left > 0:
         chunk = read(block * width if left is None else min(block * width, left))
@@ -428,24 +366,6 @@ def wav_stream_blocks(read, block: int, name: str = "stdin") -> Iterator[np.ndar
             yield wave
         if last:
             return
-
-
-def _wav_stream_header(read, name: str) -> tuple[int, int, int, int, int]:
-    """(format tag, channels, rate, bits, data size) from the chunks after RIFF/WAVE, stopping at `data`."""
-    fmt = None
-    while len(hdr := read(8)) == 8:
-        chunk_id, size = struct.unpack("<4sI", hdr)
-        if chunk_id == b"data":
-            if fmt is None:
-                break
-            return (*fmt, size)
-        body = read(size + (size & 1))
-        if chunk_id == b"fmt " and len(body) >= 16:
-            tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
-            if tag == 0xFFFE and len(body) >= 26:  # extensible: the real tag opens the sub-format GUID
-                tag = struct.unpack("<H", body[24:26])[0]
-            fmt = (tag, channels, rate, bits)
-    raise AudioError(f"WAV header on {name} has no {'data' if fmt else 'fmt '} chunk before the stream ended")
 
 
 def _wav_frames(raw: np.ndarray, dtype: str, channels: int) -> np.ndarray:
@@ -475,44 +395,6 @@ def _check_plausible(path: str, sr: int, frames: int, channels: int) -> None:
             f"audio file too large: {path} ({frames / sr:.0f} s, {channels} channels; at most "
             f"{MAX_SECONDS // 3600} h and {MAX_SAMPLES:,} samples)"
         )
-
-
-def _check_wav_not_truncated(path: str) -> None:
-    """libsndfile reads a WAV cut short without complaint, so compare the declared data size with the file's."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        if f.read(12)[:4] != b"RIFF":
-            return  # not a RIFF/WAVE file (or RF64): nothing to check here
-        pos = 12
-        while pos + 8 <= size:
-            f.seek(pos)
-            chunk_id, chunk_size = struct.unpack("<4sI", f.read(8))
-            if chunk_id == b"data":
-                have = size - (pos + 8)
-                if chunk_size not in _WAV_UNKNOWN_SIZES and have < chunk_size:
-                    raise AudioError(
-                        f"truncated audio file: {path} (WAV data chunk declares {chunk_size} bytes, {have} present)"
-                    )
-                return
-            pos += 8 + chunk_size + (chunk_size & 1)  # chunks are padded to even sizes
-
-
-def _wav_format_tag(path: str) -> int | None:
-    """The format tag of a RIFF/WAVE file's `fmt ` chunk; None for anything else."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(12)
-            if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-                return None
-            while len(hdr := f.read(8)) == 8:
-                chunk_id, chunk_size = struct.unpack("<4sI", hdr)
-                if chunk_id == b"fmt ":
-                    tag = f.read(2)
-                    return struct.unpack("<H", tag)[0] if len(tag) == 2 else None
-                f.seek(chunk_size + (chunk_size & 1), os.SEEK_CUR)
-    except OSError:
-        pass
-    return None
 
 
 def _one_line(e: Exception) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from runner.app.checks import Totals, Verdict
 from runner.app.e2e_summary import E2ESummary, FileRow, md_text
-from runner.app.folder import Progress, ResultsFile
+from runner.app.progress import Progress
+from runner.app.results_file import ResultsFile
 from runner.app.run_args import RunOptions
 from runner.app.transcriber import segments_of, window_bounds
 from runner.app.writers import TranscriptWriter, transcript

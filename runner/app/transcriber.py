@@ -16,9 +16,10 @@ from runner.errors import AudioError, RunnerError
 from runner.families import FAMILIES, Family
 from runner.runtime.batch import JOB_ERRORS, Job, JobResult, generate_many
 from runner.runtime.engine import ProgramEngine
-from runner.runtime.generate import GenerationOptions, MultimodalRunner, Prompt
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
+from runner.runtime.prompt import Prompt
 from runner.runtime.results import GenerationResult, Segment
 from runner.stats import Stats, now_ms
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from runner.runtime.detokenize import Tokenizer
-from runner.runtime.generate import Prompt
+from runner.runtime.prompt import Prompt
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from runner.runtime.generate import GenerationOptions, GenerationResult, MultimodalRunner, Segment
+from runner.runtime.generate import GenerationOptions, GenerationResult, MultimodalRunner
+from runner.runtime.prompt import Segment
 
 # The largest logit error a faithful run of each dtype shows at a step, as a share of that step's logit scale
 # (max |eager logit|, at least 1): bf16 keeps 8 significant bits, and its rounding compounds over the layers.

@@ -30,18 +30,8 @@ import torch
 
 from runner.errors import AudioError, GenerationError, TokenizerError
 from runner.runtime.engine import NON_FINITE_FEATURES, Engine, to_encoder_dtype
-from runner.runtime.generate import (
-    AudioSegment,
-    EncodedAudio,
-    GenerationOptions,
-    GenerationResult,
-    MultimodalRunner,
-    Prompt,
-    Sampler,
-    answer_room,
-    audio_seconds,
-    window_sound,
-)
+from runner.runtime.generate import GenerationOptions, GenerationResult, MultimodalRunner, Sampler, answer_room
+from runner.runtime.prompt import AudioSegment, EncodedAudio, Prompt, audio_seconds, window_sound
 from runner.runtime.results import join_results, window_result
 from runner.runtime.waveform import wave_on_device
 from runner.stats import Stats, now_ms

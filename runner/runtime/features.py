@@ -17,7 +17,8 @@ import math
 import numpy as np
 import torch
 
-from runner.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES, num_chunks
+from runner.audio import HOP_LENGTH, N_FRAMES, N_SAMPLES
+from runner.audio_chunks import num_chunks
 from runner.runtime.engine import Engine
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.audio import N_SAMPLES, checked_chunks
+from runner.audio import N_SAMPLES
+from runner.audio_chunks import checked_chunks
 
 
 class PinnedHostBuffer:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from runner.app.cli import main
-from runner.app.folder import ResultsFile
+from runner.app.results_file import ResultsFile
 
 AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"
 NAMES = ["short.wav", "silence.wav", "speech.wav"]

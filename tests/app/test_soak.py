@@ -36,7 +36,8 @@ import soundfile as sf
 import torch
 from conftest import prompt_for, runner_for
 
-from runner.audio import N_SAMPLES, SAMPLE_RATE, load_audio, num_chunks
+from runner.audio import N_SAMPLES, SAMPLE_RATE, load_audio
+from runner.audio_chunks import num_chunks
 from runner.bundle import file_entries, read_manifest, write_manifest
 from runner.digests import sha256_file
 from runner.errors import GenerationError

@@ -18,7 +18,7 @@ import pytest
 
 from runner import publish as pub
 from runner.app.cli import main
-from runner.app.folder import ResultsFile
+from runner.app.results_file import ResultsFile
 from runner.bundle import MANIFEST_NAME, read_manifest, verify_bundle, write_manifest
 from runner.errors import Cancellation, RunnerError
 
@@ -138,14 +138,14 @@ def test_an_unreadable_file_is_an_error_record_and_the_files_after_it_run(tiny_b
     locked = folder / "locked.wav"  # sorts between the others
     shutil.copy(AUDIO / "short.wav", locked)
     locked.chmod(0)
-    real = runner.audio._check_wav_not_truncated
+    real = runner.audio.check_wav_not_truncated
 
     def denied(path):  # what the OS answers a user without read permission (root reads a 0000 file anyway)
         if Path(path).name == "locked.wav":
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real(path)
 
-    monkeypatch.setattr(runner.audio, "_check_wav_not_truncated", denied)
+    monkeypatch.setattr(runner.audio, "check_wav_not_truncated", denied)
     out = tmp_path / "results.jsonl"
     assert main(["run", "--bundle", str(tiny_bundle), *FAST, "--audio-dir", str(folder), "--out", str(out)]) == 1
     recs = records(out)

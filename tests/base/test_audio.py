@@ -1,4 +1,4 @@
-"""runner/audio.py: loading, mixing, resampling, clear errors for bad files, and chunk padding."""
+"""runner/audio.py: loading, mixing, resampling, clear errors for bad files; runner/audio_chunks.py: chunk padding."""
 
 import json
 import subprocess
@@ -11,15 +11,8 @@ import soundfile as sf
 import soxr
 
 import runner.audio as audio_module
-from runner.audio import (
-    N_FRAMES,
-    N_SAMPLES,
-    SAMPLE_RATE,
-    TOKENS_PER_CHUNK,
-    load_audio,
-    num_chunks,
-    pad_to_chunks,
-)
+from runner.audio import N_FRAMES, N_SAMPLES, SAMPLE_RATE, TOKENS_PER_CHUNK, load_audio
+from runner.audio_chunks import num_chunks, pad_to_chunks
 from runner.errors import AudioError, RunnerError
 
 AUDIO = Path(__file__).resolve().parents[2] / "fixtures" / "audio"

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from runner.audio import N_SAMPLES, pad_to_chunks
+from runner.audio import N_SAMPLES
+from runner.audio_chunks import pad_to_chunks
 from runner.runtime.waveform import PinnedHostBuffer, wave_on_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

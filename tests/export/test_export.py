@@ -18,7 +18,8 @@ import torch
 from conftest import AUDIO, CACHE, OTHER_HF_CONFIG
 from safetensors import safe_open
 
-from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK, load_audio, pad_to_chunks
+from runner.audio import N_SAMPLES, TOKENS_PER_CHUNK, load_audio
+from runner.audio_chunks import pad_to_chunks
 from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METHOD, read_manifest, verify_bundle
 from runner.digests import sha256_file
 from runner.errors import DelegateError, ExportError

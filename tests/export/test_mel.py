@@ -16,7 +16,8 @@ import torch
 from transformers import VoxtralProcessor, WhisperFeatureExtractor
 from transformers.audio_utils import mel_filter_bank
 
-from runner.audio import HOP_LENGTH, N_FRAMES, N_MELS, N_SAMPLES, SAMPLE_RATE, load_audio, pad_to_chunks
+from runner.audio import HOP_LENGTH, N_FRAMES, N_MELS, N_SAMPLES, SAMPLE_RATE, load_audio
+from runner.audio_chunks import pad_to_chunks
 from runner.export.methods import export_mel
 from runner.models.mel import LogMelSpectrogram, mel_filters
 from runner.runtime.features import RecordingFeatures, window_count

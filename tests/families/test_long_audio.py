@@ -16,26 +16,17 @@ import pytest
 import soundfile as sf
 
 from runner.app.cli import build_parser, main
-from runner.audio import (
-    CUT_FRAME,
-    CUT_SEARCH,
-    N_SAMPLES,
-    PROMPT_ROOM,
-    SAMPLE_RATE,
-    TOKENS_PER_CHUNK,
-    audio_windows,
-    context_for,
-    load_audio,
-    window_bounds,
-)
+from runner.audio import N_SAMPLES, PROMPT_ROOM, SAMPLE_RATE, TOKENS_PER_CHUNK, context_for, load_audio
+from runner.audio_chunks import CUT_FRAME, CUT_SEARCH, audio_windows, window_bounds
 from runner.bundle import read_manifest
 from runner.errors import AudioError
 from runner.export.pipeline import ExportOptions
 from runner.families import voxtral as voxtral_family
 from runner.families.voxtral import Tekken, VoxtralFamily, transcription_prompt
 from runner.reference import eager_engine
-from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
 from runner.runtime.program import Program
+from runner.runtime.prompt import AudioSegment
 from runner.runtime.results import join_texts
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"

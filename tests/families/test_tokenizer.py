@@ -251,9 +251,10 @@ PROMPT_AUDIO = ["speech.wav", "long_35s.flac", "speech_48k_stereo.wav"]  # 1 chu
 def _our_ids(tok, path, prompt=None, language=None) -> list[int]:
     """The ids `run` feeds the decoder for one file: the family's prompt, [AUDIO] at each audio position (375
     per 30 s chunk, as the audio encoder returns them)."""
-    from runner.audio import TOKENS_PER_CHUNK, num_chunks
+    from runner.audio import TOKENS_PER_CHUNK
+    from runner.audio_chunks import num_chunks
     from runner.families.voxtral import VoxtralFamily
-    from runner.runtime.generate import AudioSegment
+    from runner.runtime.prompt import AudioSegment
 
     (segments,) = VoxtralFamily(tok).prompts(path, prompt, language, max_audio_chunks=4)
     ids: list[int] = []

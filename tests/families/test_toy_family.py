@@ -18,7 +18,8 @@ from torch.export import Dim
 
 from runner import families, reference
 from runner.app.cli import main
-from runner.audio import CHUNK_LENGTH, N_FRAMES, N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK, audio_windows, load_audio
+from runner.audio import CHUNK_LENGTH, N_FRAMES, N_SAMPLES, PROMPT_ROOM, TOKENS_PER_CHUNK, load_audio
+from runner.audio_chunks import audio_windows
 from runner.bundle import METHOD_NAMES, read_manifest
 from runner.export import registry
 from runner.export.checkpoint import FIXTURES, ModelSource
@@ -28,7 +29,7 @@ from runner.families.base import Capabilities
 from runner.families.voxtral.tokenizer import Tekken
 from runner.models.methods import Methods
 from runner.reference.engine import EagerEngine
-from runner.runtime.generate import AudioSegment, Prompt, TextSegment
+from runner.runtime.prompt import AudioSegment, Prompt, TextSegment
 
 NAME = "two-layer-toy"
 PRESET = "toy-two-layer"

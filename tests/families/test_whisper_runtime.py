@@ -11,7 +11,8 @@ from runner.errors import AudioError, BundleError, GenerationError, TokenizerErr
 from runner.families.whisper import WhisperFamily, whisper_prompt, windows
 from runner.families.whisper.tokenizer import WhisperTokenizer, _byte_decoder
 from runner.runtime.detokenize import StreamDecoder
-from runner.runtime.generate import AudioSegment, GenerationResult, TextSegment
+from runner.runtime.generate import GenerationResult
+from runner.runtime.prompt import AudioSegment, TextSegment
 from runner.stats import Stats
 
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]

@@ -18,8 +18,9 @@ from runner.errors import AudioError, GenerationError
 from runner.families import family_for
 from runner.reference import eager_engine
 from runner.runtime.batch import Job, generate_many
-from runner.runtime.generate import GenerationOptions, MultimodalRunner, TextSegment
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
 from runner.runtime.program import Program
+from runner.runtime.prompt import TextSegment
 from runner.stats import Stats
 from tests.families.test_long_audio import speech_with_gaps
 

@@ -13,7 +13,8 @@ import torch
 from runner.errors import GenerationError
 from runner.families.voxtral.tokenizer import Tekken
 from runner.runtime.engine import Engine
-from runner.runtime.generate import GenerationOptions, MultimodalRunner, TextSegment
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
+from runner.runtime.prompt import TextSegment
 
 TEKKEN = Path(__file__).resolve().parents[2] / "fixtures" / "tekken.json"
 V, EOS = 64, 2
@@ -157,8 +158,8 @@ def test_one_call_prefill_gives_the_logits_and_cache_of_position_by_position(tin
     from runner.audio import SAMPLE_RATE
     from runner.families.voxtral import transcription_prompt
     from runner.runtime.engine import ProgramEngine, to_encoder_dtype
-    from runner.runtime.generate import inputs_on_device
     from runner.runtime.program import Program
+    from runner.runtime.prompt import inputs_on_device
 
     with Program.load(tiny_bundle) as program:
         engine = ProgramEngine(program)
@@ -204,7 +205,8 @@ def test_the_waveform_goes_up_padded_to_whole_chunks_as_the_host_padding_was():
     samples as float32, and the same refusal of audio past the bundle's chunks."""
     import numpy as np
 
-    from runner.audio import N_SAMPLES, pad_to_chunks
+    from runner.audio import N_SAMPLES
+    from runner.audio_chunks import pad_to_chunks
     from runner.errors import AudioError
     from runner.runtime.waveform import wave_on_device
 

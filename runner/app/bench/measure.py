@@ -23,10 +23,11 @@ from runner.audio import N_SAMPLES
 from runner.errors import RunnerError
 from runner.families.voxtral import Tekken
 from runner.runtime.engine import Engine, ProgramEngine, to_encoder_dtype
-from runner.runtime.generate import GenerationOptions, MultimodalRunner, Segment
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
 from runner.runtime.graphs import PrefillGraphs
 from runner.runtime.options import RuntimeOptions
 from runner.runtime.program import Program
+from runner.runtime.prompt import Segment
 from runner.stats import Stats
 
 # ---------------------------------------------------------------- clocks and memory

@@ -21,14 +21,14 @@ from runner.app.bench.measure import (
     reset_peak_memory,
 )
 from runner.app.bench.report import BackendResult
-from runner.audio import pad_to_chunks
+from runner.audio_chunks import pad_to_chunks
 from runner.bundle import Manifest, weight_files
 from runner.dtypes import torch_dtype
 from runner.families.voxtral import Tekken
 from runner.models.mel import LogMelSpectrogram
 from runner.reference.hf import HFEngine, hf_config, to_hf_keys
 from runner.reference.voxtral import eager_engine, model_from_bundle
-from runner.runtime.generate import TextSegment
+from runner.runtime.prompt import TextSegment
 from runner.runtime.weights import free_device_bytes
 
 

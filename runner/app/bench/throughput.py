@@ -29,7 +29,8 @@ from runner.audio import SAMPLE_RATE
 from runner.errors import RunnerError
 from runner.families import Family
 from runner.runtime.batch import Job, generate_many
-from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner, Prompt
+from runner.runtime.generate import GenerationOptions, MultimodalRunner
+from runner.runtime.prompt import AudioSegment, Prompt
 
 
 @dataclass(frozen=True)

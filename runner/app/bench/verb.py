@@ -39,7 +39,8 @@ from runner.bundle import MANIFEST_NAME, Manifest, bundle_digest, read_manifest
 from runner.errors import RunnerError
 from runner.families import family_for
 from runner.families.voxtral import VoxtralFamily, transcription_prompt
-from runner.runtime.generate import GenerationOptions, TextSegment
+from runner.runtime.generate import GenerationOptions
+from runner.runtime.prompt import TextSegment
 
 REPO = Path(__file__).resolve().parents[3]  # the checkout, for the commit measured
 

@@ -1,7 +1,7 @@
 """The Voxtral family at run time: Tekken, mistral-common's transcription prompt and the seed's chat prompt.
 The audio embeddings are decoder positions (`[AUDIO]` in prompt_ids); one prompt takes audio up to the bundle's
 exported chunk count (its capacity). Longer audio is transcribed in windows, each its own prompt, cut at the
-quietest point near each limit (runner/audio.py's window_bounds); a chat prompt needs all of its audio in one
+quietest point near each limit (runner/audio_chunks.py's window_bounds); a chat prompt needs all of its audio in one
 prompt, so for longer audio it is an error that names the export flags which take it."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, audio_windows, context_for, load_audio, num_chunks
+from runner.audio import CHUNK_LENGTH, SAMPLE_RATE, context_for, load_audio
+from runner.audio_chunks import audio_windows, num_chunks
 from runner.errors import AudioError, GenerationError
 from runner.families.base import Capabilities
 from runner.families.voxtral.tokenizer import Tekken
-from runner.runtime.generate import AudioSegment, Prompt, TextSegment
+from runner.runtime.prompt import AudioSegment, Prompt, TextSegment
 
 NAME = "voxtral"
 # Languages Voxtral transcribes (mistral-common's `lang:xx` prefix).

@@ -17,7 +17,7 @@ from runner.families.base import Capabilities
 from runner.families.whisper.longform import LongForm
 from runner.families.whisper.tokenizer import TOKENIZER_TYPE, WhisperTokenizer
 from runner.runtime.features import recording_chunks, window_count
-from runner.runtime.generate import AudioSegment, Prompt, TextSegment
+from runner.runtime.prompt import AudioSegment, Prompt, TextSegment
 
 NAME = "whisper"
 # The control tokens a bundle's manifest lists (ids looked up by name in tokenizer.json at export).

@@ -19,7 +19,8 @@ import torch
 from runner.audio import HOP_LENGTH, N_FRAMES, SAMPLE_RATE
 from runner.families.whisper.timing import add_word_timestamps, last_end
 from runner.families.whisper.tokenizer import WhisperTokenizer
-from runner.runtime.generate import AudioSegment, GenerationOptions, MultimodalRunner, TextSegment, WindowPlan
+from runner.runtime.generate import GenerationOptions, MultimodalRunner, WindowPlan
+from runner.runtime.prompt import AudioSegment, TextSegment
 from runner.runtime.results import (
     GenerationResult,
     Segment,

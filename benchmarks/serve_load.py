@@ -6,8 +6,8 @@ with what the server's /metrics counted over the same stretch (requests, tokens,
         --seconds 20 --language en --compare bench_tp.json --out serve_tp.json
 
 It starts nothing: the server is the caller's (benchmarks/gpu.py's `serve` mode starts one). Each client count is
-one run, after a warm-up of --warmup requests per client that is not counted. Answers are verbose_json, whose
-segments carry the generated tokens. --compare reads `bench --throughput`'s JSON and sets each run beside its
+one run, after a warm-up of --warmup requests per client that is not counted. Answers are json, whose `usage`
+counts the generated tokens (an answer's segments hold none where its text is empty). --compare reads `bench --throughput`'s JSON and sets each run beside its
 tokens/s at batch = clients (issue 44's target: at least 85% of it). Exit 1 when any request failed.
 """
 
@@ -122,10 +122,10 @@ async def transcribe(client: httpx.AsyncClient, name: str, data: bytes, fields: 
     if r.status_code != 200:
         return Answer(seconds, error=f"{r.status_code}: {' '.join(r.text.split())[:200]}")
     try:
-        segments = r.json()["segments"]
+        tokens = int(r.json()["usage"]["output_tokens"])
     except (ValueError, KeyError, TypeError):
-        return Answer(seconds, error=f"200 without verbose_json's segments: {' '.join(r.text.split())[:200]}")
-    return Answer(seconds, tokens=sum(len(s["tokens"]) for s in segments))
+        return Answer(seconds, error=f"200 without json's usage.output_tokens: {' '.join(r.text.split())[:200]}")
+    return Answer(seconds, tokens=tokens)
 
 
 async def closed_loop(client, files, clients: int, requests: int | None, seconds: float | None, fields) -> list:
@@ -193,7 +193,7 @@ def line(r: dict) -> str:
 
 async def load(args, bench: list[dict] | None) -> dict:
     files = audio_files(args.audio)
-    fields = {"response_format": "verbose_json", **({"language": args.language} if args.language else {})}
+    fields = {"response_format": "json", **({"language": args.language} if args.language else {})}
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.clients) + 2, max_keepalive_connections=max(args.clients) + 2)
     # trust_env off: a proxy from the environment must not stand between the clients and a loopback server

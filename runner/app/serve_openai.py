@@ -99,13 +99,20 @@ async def read_upload(form: FormData) -> bytes:
 
 def render(t, fmt: str, options: Options) -> Response:
     if fmt == "json":
-        return JSONResponse({"text": t.text})
+        return JSONResponse({"text": t.text, "usage": usage(t)})
     if fmt == "text":
         return PlainTextResponse(t.text)
     if fmt == "verbose_json":
         return JSONResponse(verbose(t, options))
     document = writers.transcript(t.text, [s.to_dict() for s in t.segments], t.language)
     return PlainTextResponse(writers.RENDER[fmt](document), media_type="text/vtt" if fmt == "vtt" else None)
+
+
+def usage(t) -> dict:
+    """OpenAI's token usage of a json transcription: the prompt (audio and text) in, the generated tokens out. The
+    count a client can sum, where the text alone does not say it (tokens outside the vocabulary, empty answers)."""
+    prompt, out = t.stats.get("prompt_tokens", 0), len(t.tokens)
+    return {"type": "tokens", "input_tokens": prompt, "output_tokens": out, "total_tokens": prompt + out}
 
 
 def verbose(t, options: Options) -> dict:

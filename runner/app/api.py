@@ -21,17 +21,21 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from runner.app.audio_inputs import Audio, audio_file
-from runner.app.streams import Stream, StreamSlots
+from runner.app.streams import Stream, StreamSlots, stream_many
 from runner.app.transcriber import Transcriber, load_program, segments_of
 from runner.app.transcription import Delta, Transcription
 from runner.errors import GenerationError, RunnerError
-from runner.families import Capabilities, family_for
+from runner.families import Capabilities, Family, family_for
 from runner.families.voxtral_realtime import program_steps
 from runner.runtime.batch import Job, JobResult, generate_many
 from runner.runtime.generate import GenerationOptions
 from runner.runtime.options import RuntimeOptions
+from runner.runtime.program import Program
 from runner.runtime.results import GenerationResult
+from runner.stats import Stats
 
 __all__ = ["Delta", "Model", "Stream", "StreamSlots", "Transcription", "load"]
 
@@ -71,25 +75,35 @@ def load(
 
 class Model:
     """A loaded bundle. `transcribe`, `transcribe_many` and `transcribe_feed` for the bundles that take whole
-    files, `stream` and `stream_slots` for the realtime ones (capabilities.streaming). One call at a time: the bundle's KV cache is
-    shared state."""
+    files, `stream`, `stream_slots` and `stream_many` for the realtime ones (capabilities.streaming). One call at
+    a time: the bundle's KV cache is shared state."""
 
     def __init__(self, bundle: str | os.PathLike, options: RuntimeOptions | None = None, device: str | None = None):
-        bundle_dir = Path(bundle)
-        self.options = options or RuntimeOptions()
-        self.name = bundle_dir.resolve().name  # the model id: its bundle directory's name
+        options = options or RuntimeOptions()
         # as `run` loads it (runner/app/transcriber.py): the same load stats, warm-up and engine
-        self._program, self._load = load_program(bundle_dir, self.options, device)
-        self._closed = False
+        program, load = load_program(Path(bundle), options, device)
+        self._adopt(program, load, options, None)
+
+    @classmethod
+    def of_program(cls, program: Program, load: Stats, options: RuntimeOptions, family: Family | None = None) -> Model:
+        """A Model over a program already loaded with load_program (its `family`, where the caller has it): for the
+        CLI's `stream`, which refuses a bundle of another family before any set-up. The Model closes the program."""
+        model = cls.__new__(cls)
+        model._adopt(program, load, options, family)
+        return model
+
+    def _adopt(self, program: Program, load: Stats, options: RuntimeOptions, family: Family | None) -> None:
+        self.options, self._program, self._load, self._closed = options, program, load, False
+        self.name = program.bundle_dir.resolve().name  # the model id: its bundle directory's name
         try:
-            self._set_up(bundle_dir)
+            self._set_up(family or family_for(program.bundle_dir, program.manifest.model))
         except BaseException:
-            self._program.close()
+            program.close()
             raise
 
-    def _set_up(self, bundle_dir: Path) -> None:
+    def _set_up(self, family: Family) -> None:
         program = self._program
-        self._family = family_for(bundle_dir, program.manifest.model)
+        self._family = family
         self._whole: Transcriber | None = None  # a bundle that takes whole inputs
         self._steps = None  # a realtime bundle's streaming steps
         if self.capabilities.streaming:
@@ -298,6 +312,20 @@ class Model:
         """The bundle's `max_streams` stream slots, to stream several at once (runner/app/streams.py): `open()` a
         Stream in each, and push into any. They hold the model's streams until closed (use them in a `with`)."""
         return StreamSlots(self)
+
+    def stream_many(
+        self,
+        sources: Iterable[Iterable[np.ndarray | bytes]],
+        *,
+        on_delta: Callable[[int, Delta], None] | None = None,
+    ) -> Iterator[tuple[Transcription, Exception | None]]:
+        """Sources of audio blocks (each an iterable of what Stream.push takes: a file read in blocks, a pipe's
+        reads), streamed at once in the bundle's slots, fed in lockstep (one block of each, then the steps they
+        make possible), as `python -m runner stream` streams its --audio. Yields (Transcription, None) as each
+        stream ends, its `index` its source's place; or (what it decided, the error) where reading its source
+        raised a RunnerError or OSError: that stream stops there, the others go on. `on_delta(index, delta)` as
+        each stream's text is decided. The slots are the model's until the last stream ends."""
+        return stream_many(self, sources, on_delta)
 
     # ------------------------------------------------ the model's life
 

@@ -1,9 +1,10 @@
 """`python -m runner stream`: a Voxtral Realtime bundle over audio as it arrives.
 
 `--audio FILE` feeds the file in blocks (as fast as possible, or at wall-clock speed with `--realtime`);
-`--audio -` reads raw 16 kHz mono PCM from stdin (s16le unless `--pcm f32le`). Several `--audio` files are
-concurrent streams: fed in lockstep, one block each at a time, and stepped together in one batched call of each
-method (stream i in the bundle's state row i; more files than its `max_streams` slots wait for a free one). The
+`--audio -` reads raw 16 kHz mono PCM from stdin (s16le unless `--pcm f32le`). The streams are the library's
+(runner/app/streams.py: Model.stream_many): several `--audio` files are concurrent streams, fed in lockstep, one
+block each at a time, and stepped together in one batched call of each method (stream i in the bundle's state row
+i; more files than its `max_streams` slots wait for a free one). The
 end of a stream is flushed (right padding, as for a whole file), so its tokens equal a whole-file run's alone.
 One stream's text is printed as each token is decided, several streams' each as its stream ends. The JSON record
 (`--json`) gives each token's start and end (`token_times`) and the `segments` with their `words`, in seconds from
@@ -158,23 +159,27 @@ def first_difference(want: list[int], got: list[int]) -> int | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from runner.app.api import Model
     from runner.app.golden import read_golden
+    from runner.app.transcriber import load_program
     from runner.errors import RunnerError
-    from runner.families.voxtral_realtime import program_steps
-    from runner.runtime.program import Program
 
     if args.bench:
         if args.audio:
             raise RunnerError("--bench streams synthetic audio: give no --audio")
         return _bench(args)
     _check_sources(args)
-    with Program.load(args.bundle, options=args.runtime) as program:
+    program, load = load_program(args.bundle, args.runtime)  # as the library's Model loads it
+    try:
         family = streaming_family(args.bundle, program.manifest.model)
         golden = read_golden(args.expect_tokens, program.manifest) if args.expect_tokens is not None else None
-        steps = program_steps(program, args.runtime, family.spec.window)
-        records = _stream_sources(args, family, steps)
+    except BaseException:
+        program.close()
+        raise
+    with Model.of_program(program, load, args.runtime, family) as model:
+        records = _stream_sources(args, model)
         failures = [r["error"] for r in records if "error" in r]  # each bad source's, beside the others' records
-        failures += check_streams(args, program, steps, family.spec, records, golden)
+        failures += check_streams(args, model, program, family.spec, records, golden)
     _print_records(records, args.json)
     if failures:
         for f in failures[:-1]:
@@ -194,63 +199,45 @@ def _check_sources(args: argparse.Namespace) -> None:
         raise RunnerError("--check-whole and --reference need audio files, not stdin")
 
 
-def _stream_sources(args: argparse.Namespace, family, steps) -> list[dict]:
-    """Every --audio source through the bundle's steps, concurrently; each one's record (text, tokens, stats) as
-    it ends. One stream's text is printed as it comes; several streams' each when its stream ends."""
-    from runner.app.stream_record import stream_stats, timed
+def _stream_sources(args: argparse.Namespace, model) -> list[dict]:
+    """Every --audio source through the library's streams (Model.stream_many: the bundle's slots, fed in
+    lockstep); each one's record (text, tokens, times, stats) as it ends. One stream's text is printed as it
+    comes; several streams' each when its stream ends."""
     from runner.audio import SAMPLE_RATE
-    from runner.families.voxtral_realtime import Stream, StreamBatch, run_fed
 
     out = sys.stderr if args.json else sys.stdout
-    spec, tok = family.spec, family.tokenizer
     block = max(1, args.block_ms * SAMPLE_RATE // 1000)
-    texts = [family.decoder() for _ in args.audio]
     live_text = len(args.audio) == 1
 
-    def on_token(i: int):
-        def write(token: int) -> None:
-            if live_text and token < tok.vocab_size:
-                out.write(texts[i].feed(token))
-                out.flush()
-
-        return write
-
-    streams = [Stream(spec, on_token(i)) for i in range(len(args.audio))]
-    records: list[dict] = [{} for _ in args.audio]
-    failed: dict[int, str] = {}
-
-    def done(i: int) -> None:
-        s = streams[i]
-        if i in failed:
-            if live_text and s.tokens:  # end the line of text it streamed before failing
-                out.write(texts[i].flush() + "\n")
-            records[i] = {"audio": args.audio[i], "error": failed[i]}
-            return
-        text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
-        out.write((texts[i].flush() if live_text else f"{args.audio[i]}: {text}") + "\n")
+    def write(_: int, delta) -> None:
+        out.write(delta.text)
         out.flush()
-        records[i] = {"audio": args.audio[i], "text": text, "tokens": s.tokens, **timed(tok, spec, s)}
-        records[i]["stats"] = stream_stats(s, spec, s.received / SAMPLE_RATE)
 
-    steps.reset()
-    sources = [(s, _until_failure(args, i, block, s, failed)) for i, s in enumerate(streams)]
-    run_fed(StreamBatch(steps, spec), sources, on_done=done)
+    records: list[dict] = [{} for _ in args.audio]
+    sources = [_blocks(args, source, block) for source in args.audio]
+    for t, error in model.stream_many(sources, on_delta=write if live_text else None):
+        audio = args.audio[t.index]
+        if error is not None:
+            if live_text and t.tokens:  # end the line of text it streamed before failing
+                out.write("\n")
+            records[t.index] = {"audio": audio, "error": _failure(audio, error)}
+            continue
+        out.write(("" if live_text else f"{audio}: {t.text}") + "\n")  # live: its last delta came before
+        out.flush()
+        records[t.index] = {"audio": audio, "text": t.text, "tokens": list(t.tokens)}
+        records[t.index]["token_times"] = [list(x) for x in t.token_times]
+        records[t.index]["segments"] = [s.to_dict() for s in t.segments]
+        records[t.index]["stats"] = dict(t.stats)
     return records
 
 
-def _until_failure(args: argparse.Namespace, i: int, block: int, stream, failed: dict[int, str]):
-    """The i-th source's blocks. One that cannot be read (a bad file, samples that are not audio) ends its own
-    stream, whose record is then its error (`failed[i]`, a line naming the source): the other streams go on."""
+def _failure(audio: str, error: Exception) -> str:
+    """A source's error as its record says it: one line naming the source."""
     from runner.app.os_errors import reason
-    from runner.errors import RunnerError
 
-    name = "stdin" if args.audio[i] == "-" else args.audio[i]
-    try:
-        yield from _blocks(args, args.audio[i], block)
-    except (RunnerError, OSError) as e:
-        text = reason(e) if isinstance(e, OSError) else str(e)
-        failed[i] = text if name in text else f"{name}: {text}"
-        stream.done = True  # its row is free for the next stream; run_fed ends it as any finished stream
+    name = "stdin" if audio == "-" else audio
+    text = reason(error) if isinstance(error, OSError) else str(error)
+    return text if name in text else f"{name}: {text}"
 
 
 def _print_records(records: list[dict], as_json: bool) -> None:
@@ -290,34 +277,27 @@ def streaming_family(bundle: Path, model: dict):
     return family
 
 
-def check_streams(args, program, steps, spec, records: list[dict], golden: dict | None) -> list[str]:
+def check_streams(args, model, program, spec, records: list[dict], golden: dict | None) -> list[str]:
     """--expect-tokens, --check-whole, --reference eager on every record (its `checks`); the failures."""
     from runner.audio import load_audio
     from runner.families.voxtral_realtime import run_whole
 
-    eager = None
+    others = {}  # each check's tokens of a whole file
+    if args.check_whole:
+        others["whole"] = lambda samples: _alone(model, samples)
     if args.reference == "eager":
         from runner.reference.voxtral_realtime import eager_steps
 
         eager = eager_steps(args.bundle, program.manifest)
+        others["eager"] = lambda samples: run_whole(eager, spec, samples)
     failures: list[str] = []
     for rec in (r for r in records if "error" not in r):
         source, tokens, checks = rec["audio"], rec["tokens"], {}
         if golden is not None:
-            want = golden.get(Path(source).name)
-            if want is None:
-                checks["golden"] = "none for this file"
-                failures.append(f"{args.expect_tokens}: no golden tokens for {Path(source).name}")
-            elif (i := first_difference(want, tokens)) is not None:
-                checks["golden"] = f"differs at token {i}"
-                failures.append(f"{source}: tokens differ from {args.expect_tokens.name} at index {i}")
-            else:
-                checks["golden"] = "match"
-        samples = load_audio(source) if args.check_whole or eager is not None else None
-        for name, other in (("whole", steps if args.check_whole else None), ("eager", eager)):
-            if other is None:
-                continue
-            i = first_difference(run_whole(other, spec, samples), tokens)
+            failures += _check_golden(args.expect_tokens, golden, source, tokens, checks)
+        samples = load_audio(source) if others else None
+        for name, tokens_of in others.items():
+            i = first_difference(tokens_of(samples), tokens)
             checks[name] = "match" if i is None else f"differs at token {i}"
             if i is not None:
                 what = "the whole file run alone" if name == "whole" else "the eager model"
@@ -326,3 +306,23 @@ def check_streams(args, program, steps, spec, records: list[dict], golden: dict 
             rec["checks"] = checks
             print(f"{source}: " + ", ".join(f"{k} {v}" for k, v in checks.items()), file=sys.stderr)
     return failures
+
+
+def _check_golden(path: Path, golden: dict, source: str, tokens: list[int], checks: dict) -> list[str]:
+    """--expect-tokens on one record: its `checks["golden"]`, and the failure, if any."""
+    want = golden.get(Path(source).name)
+    if want is None:
+        checks["golden"] = "none for this file"
+        return [f"{path}: no golden tokens for {Path(source).name}"]
+    if (i := first_difference(want, tokens)) is not None:
+        checks["golden"] = f"differs at token {i}"
+        return [f"{source}: tokens differ from {path.name} at index {i}"]
+    checks["golden"] = "match"
+    return []
+
+
+def _alone(model, samples) -> list[int]:
+    """The file streamed alone, in one piece (the library's Model.stream): what --check-whole compares."""
+    with model.stream() as stream:
+        stream.push(samples)
+        return list(stream.finish().tokens)

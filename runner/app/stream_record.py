@@ -1,5 +1,6 @@
-"""What a finished stream says of itself, one way for `stream --json` (runner/app/stream.py) and the library's
-Stream.finish() (runner/app/api.py): each token's times, the segments with their words, and the stream's stats."""
+"""What a finished stream says of itself, in the library's Transcription of it (runner/app/streams.py), which
+`stream --json` records (runner/app/stream.py): each token's times, the segments with their words, and the
+stream's stats."""
 
 from __future__ import annotations
 

@@ -1,15 +1,17 @@
-"""The library's streams (runner/app/api.py's Model.stream and Model.stream_slots): audio into a realtime bundle
-as it arrives, one stream alone or several at once in the bundle's stream slots.
+"""The library's streams (runner/app/api.py's Model.stream, stream_slots and stream_many): audio into a realtime
+bundle as it arrives, one stream alone or several at once in the bundle's stream slots.
 
 A realtime bundle is exported with S stream slots (`export --max-streams`): its step methods take a batch of
 streams, stream i in state row i. StreamSlots holds them; each Stream is one slot. A step runs every stream whose
 next position's audio is here, in one call of each method, and a stream whose audio has not arrived waits in its
-row without holding the others back (session.py's StreamBatch with hold_idle). Each stream's tokens are those it
-gets alone, and those of `python -m runner stream --json` on the same samples."""
+row without holding the others back (session.py's StreamBatch with hold_idle). `stream_many` feeds sources of
+blocks (files, a pipe) in lockstep instead, one block of each at a time, as `python -m runner stream` does: it is
+that verb's loop. Each stream's tokens are those it gets alone, and those of `stream --json` on the same samples."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 import numpy as np
 
@@ -17,13 +19,16 @@ from runner.app.audio_inputs import mono_samples
 from runner.app.stream_record import stream_stats, timed
 from runner.app.transcription import Delta, Transcription
 from runner.audio import SAMPLE_RATE
-from runner.errors import GenerationError
+from runner.errors import GenerationError, RunnerError
 from runner.families.voxtral_realtime import Stream as Positions
 from runner.families.voxtral_realtime import StreamBatch
 from runner.families.voxtral_realtime.times import token_times
 from runner.runtime.results import Segment, Word
 
-__all__ = ["Stream", "StreamSlots"]
+__all__ = ["Stream", "StreamSlots", "stream_many"]
+
+# A source that cannot be read (a bad file, samples that are not audio) ends its own stream; the others go on.
+SOURCE_ERRORS = (RunnerError, OSError)
 
 
 class StreamSlots:
@@ -31,9 +36,12 @@ class StreamSlots:
     `size` open), `push` audio into any of them. A push (or finish) steps every stream of the slots whose audio
     is here, so its deltas go to its own `on_delta` whichever stream was pushed. A loop of its own (the server's)
     can instead `feed` and `end` the streams and call `step()`. The slots hold the model's state from creation to
-    `close()` (one StreamSlots, or one Model.stream(), at a time), and are called from one thread at a time."""
+    `close()` (one StreamSlots, or one Model.stream(), at a time), and are called from one thread at a time.
 
-    def __init__(self, model):
+    With `lockstep` a step waits until every open stream's next position's audio is here, as for streams fed
+    together (stream_many): no row steps held."""
+
+    def __init__(self, model, lockstep: bool = False):
         model._check_open()
         if model._steps is None:
             raise GenerationError(
@@ -44,7 +52,7 @@ class StreamSlots:
         if not self._lock.acquire(blocking=False):
             raise GenerationError(f"{model.name}: a stream is already open on this model; finish it first")
         model._steps.reset()
-        self._batch = StreamBatch(model._steps, model._family.spec, hold_idle=True)
+        self._batch = StreamBatch(model._steps, model._family.spec, hold_idle=not lockstep)
         self._streams: list[Stream] = []  # open, in the order opened
         self._open = True
 
@@ -173,6 +181,14 @@ class Stream:
         finally:
             self.close()
 
+    def _stop(self) -> Transcription:
+        """End the stream where it is, without the rest of its audio or its right padding (its source failed): the
+        Transcription of the tokens decided so far. The stream is closed after."""
+        self._check_open()
+        self._ended = True
+        self._positions.done = True  # it leaves its row before the next step
+        return self.result()
+
     def close(self) -> None:
         """Give the stream's slot back (finish() and result() do); the stream takes no more audio."""
         if self._open:
@@ -219,9 +235,11 @@ class Stream:
         """What `stream --json` records of the stream (runner/app/stream_record.py), as a Transcription."""
         s, tok = self._positions, self._tok
         text = tok.decode([t for t in s.tokens if t < tok.vocab_size])
-        segments = tuple(_segment(r) for r in timed(tok, self._spec, s)["segments"])
+        record = timed(tok, self._spec, s)
+        segments = tuple(_segment(r) for r in record["segments"])
         stats = stream_stats(s, self._spec, s.received / SAMPLE_RATE)
-        return Transcription(text, segments, None, tuple(s.tokens), stats, None, 0)
+        times = tuple(tuple(t) for t in record["token_times"])
+        return Transcription(text, segments, None, tuple(s.tokens), stats, None, 0, token_times=times)
 
 
 def _segment(record: dict) -> Segment:
@@ -237,3 +255,66 @@ def _segment(record: dict) -> Segment:
         temperature=record["temperature"],
         words=words,
     )
+
+
+def stream_many(
+    model, sources: Iterable[Iterable[np.ndarray | bytes]], on_delta: Callable[[int, Delta], None] | None = None
+) -> Iterator[tuple[Transcription, Exception | None]]:
+    """Model.stream_many: every source a stream in the model's slots, fed in lockstep (one block of each open
+    stream, then every step they make possible) and ended when its source is; more sources than slots wait, in
+    order, for a free one. Yields (its Transcription, None) as each stream ends (`index`: its source's place), or
+    (what it decided before, the error) where its source raised a RunnerError or OSError: that stream stops
+    there and the others go on. `on_delta(index, delta)` as each stream's text is decided."""
+    waiting = list(enumerate(sources))
+    fed: dict[int, _Fed] = {}
+    with StreamSlots(model, lockstep=True) as slots:
+        while waiting or fed:
+            while waiting and slots.free:
+                i, source = waiting.pop(0)
+                fed[i] = _Fed(i, slots.open(_indexed(on_delta, i)), iter(source))
+            for f in fed.values():
+                f.feed_next()
+            slots.run()
+            for i in [i for i, f in fed.items() if f.over]:
+                yield fed.pop(i).outcome()
+
+
+def _indexed(on_delta: Callable[[int, Delta], None] | None, i: int) -> Callable[[Delta], None] | None:
+    return None if on_delta is None else lambda delta: on_delta(i, delta)
+
+
+class _Fed:
+    """One source of stream_many: its stream, its blocks, and the error that stopped it, if one did."""
+
+    def __init__(self, index: int, stream: Stream, blocks: Iterator):
+        self.index, self.stream, self.blocks = index, stream, blocks
+        self.ended = False  # no more blocks to take
+        self.error: Exception | None = None
+        self.result: Transcription | None = None  # its transcript once over (a stopped one's: what it decided)
+
+    def feed_next(self) -> None:
+        """The source's next block in, or the stream's end once the source has no more."""
+        if self.ended:
+            return
+        try:
+            block = next(self.blocks, None)
+            if block is not None:
+                self.stream.feed(block)  # an AudioError where the block is not audio: the source's own
+        except SOURCE_ERRORS as e:
+            self.ended, self.error = True, e
+            self.result = self.stream._stop()
+            return
+        if block is None:
+            self.ended = True
+            self.stream.end()
+
+    @property
+    def over(self) -> bool:
+        """Stopped, or stepped to its last token (its audio's end, or the model's </s> before it)."""
+        return self.error is not None or self.stream._positions.done
+
+    def outcome(self) -> tuple[Transcription, Exception | None]:
+        if self.error is None:
+            self.stream.end()  # one the model ended (</s>) before its source did takes no more
+            self.result = self.stream.result()
+        return replace(self.result, index=self.index), self.error

@@ -12,7 +12,8 @@ __all__ = ["Delta", "Transcription"]
 @dataclass(frozen=True)
 class Transcription:
     """One input's transcript: its text, timed segments, tokens and stats; `source` is its path (None for bytes
-    or an array) and `index` its place among the inputs given (0 for one)."""
+    or an array) and `index` its place among the inputs given (0 for one). A stream's also has each token's
+    [start, end] in seconds (`token_times`, as `stream --json` records them; None for a whole input)."""
 
     text: str
     segments: tuple[Segment, ...]
@@ -21,9 +22,10 @@ class Transcription:
     stats: dict = field(repr=False)
     source: str | None = None
     index: int = 0
+    token_times: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "source": self.source,
             "index": self.index,
             "text": self.text,
@@ -32,6 +34,9 @@ class Transcription:
             "segments": [s.to_dict() for s in self.segments],
             "stats": dict(self.stats),
         }
+        if self.token_times is not None:
+            d["token_times"] = [list(t) for t in self.token_times]
+        return d
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +19,9 @@ import torch
 from conftest import FIXTURES
 
 from runner.app.stream import _stream_sources
+from runner.app.streams import stream_many
 from runner.audio import N_FFT
+from runner.errors import AudioError
 from runner.families.voxtral.tokenizer import Tekken
 from runner.families.voxtral_realtime import RealtimeFamily, Steps, Stream, StreamBatch, StreamSpec, blocks_of, run_fed
 from runner.families.voxtral_realtime.times import segments_of, token_times, words_of
@@ -67,6 +71,22 @@ class ClickSteps(Steps):
                 self.said[r] += 1
             logits[r, self.queue[r].pop(0) if self.queue[r] else PAD] = 1
         return logits
+
+
+class ClickModel:
+    """What the library's streams (runner/app/streams.py) use of a loaded Model, over ClickSteps."""
+
+    name = "clicks"
+
+    def __init__(self, steps: Steps):
+        self._steps, self._family = steps, RealtimeFamily(TOK, SPEC)
+        self._program = SimpleNamespace(state_lock=threading.Lock())
+
+    def _check_open(self) -> None:
+        pass
+
+    def stream_many(self, sources, on_delta=None):
+        return stream_many(self, sources, on_delta)
 
 
 def _clicks(samples: list[int], seconds: float, seed: int) -> np.ndarray:
@@ -157,7 +177,7 @@ def test_the_stream_json_record_carries_the_times(tmp_path):
     sf.write(path, _clicks([c for c, _ in SCRIPT], 6.0, 0), 16000, subtype="FLOAT")
     args = argparse.Namespace(audio=[str(path)], block_ms=30, json=True, realtime=False, pcm="s16le")
     steps = ClickSteps(1, [[w for _, w in SCRIPT]])
-    (rec,) = json.loads(json.dumps(_stream_sources(args, RealtimeFamily(TOK, SPEC), steps)))
+    (rec,) = json.loads(json.dumps(_stream_sources(args, ClickModel(steps))))
     assert len(rec["token_times"]) == len(rec["tokens"])
     assert [_samples(a) for a, _ in rec["token_times"]] == [i * SPT for i in range(len(rec["tokens"]))]
     words = [(w["word"], _samples(w["start"]), _samples(w["end"])) for s in rec["segments"] for w in s["words"]]
@@ -165,3 +185,65 @@ def test_the_stream_json_record_carries_the_times(tmp_path):
     assert "".join(s["text"] for s in rec["segments"]) == rec["text"] == "".join(w for _, w in SCRIPT)
     assert set(rec["segments"][0]) == {"start", "end", "text", "tokens", "avg_logprob", "no_speech_prob",
                                        "temperature", "words"}  # fmt: skip
+
+
+# ---------------------------------------------------------------- the library's stream_many (runner/app/streams.py)
+
+
+class EndingSteps(ClickSteps):
+    """ClickSteps that say </s> once every word of their script is said."""
+
+    def decode(self, token, audio, pos, delay):
+        said = [self.said[r] == len(self.words[r]) and not self.queue[r] for r in range(len(pos))]
+        logits = super().decode(token, audio, pos, delay)
+        for r in (r for r, s in enumerate(said) if s):
+            logits[r] = 0
+            logits[r, SPEC.eos_id] = 1
+        return logits
+
+
+def test_stream_many_waits_for_a_slot_and_stops_a_failing_source_alone():
+    """Three sources through two slots (the third waits for one): each one's words at its clicks; a source that
+    raises mid-way is its own error, with what it decided before it, and the others go on."""
+    audio = [_clicks([c for c, _ in SCRIPT], 6.0, i) for i in range(3)]
+    cut = 30_000  # before " it's" (sample 30 500): the failing stream has heard " Hello world." only
+
+    def failing():
+        yield from blocks_of(audio[1][:cut], 777)
+        raise AudioError("stdin: not audio")
+
+    steps = ClickSteps(2, [[w for _, w in SCRIPT]] * 2)
+    seen: list[tuple[int, str]] = []
+    sources = [blocks_of(audio[0], 777), failing(), blocks_of(audio[2], 777)]
+    ended = list(ClickModel(steps).stream_many(sources, on_delta=lambda i, d: seen.append((i, d.text))))
+    assert [(t.index, type(e).__name__ if e else None) for t, e in ended] == [(1, "AudioError"), (0, None), (2, None)]
+    results = {t.index: t for t, _ in ended}
+    for i in (0, 2):
+        words = [(w.word, _samples(w.start), _samples(w.end)) for s in results[i].segments for w in s.words]
+        assert words == _expected_words(SCRIPT) and results[i].text == "".join(w for _, w in SCRIPT)
+        assert len(results[i].token_times) == len(results[i].tokens)
+    partial = results[1]
+    assert partial.text == " Hello world." and partial.stats["audio_seconds"] <= cut / 16000
+    assert list(partial.tokens) == list(results[0].tokens[: len(partial.tokens)])
+    for i, t in results.items():
+        assert "".join(text for j, text in seen if j == i) == t.text
+
+
+def test_stream_many_ends_a_stream_at_its_eos_without_reading_its_source_on():
+    """A stream the model ends (</s>) before its source does: its transcript as soon as it is said, the rest of
+    the source never read."""
+    audio = _clicks([c for c, _ in SCRIPT[:2]], 2.0, 0)
+    read = []
+
+    def endless():
+        for block in blocks_of(audio, SPT):
+            read.append(len(block))
+            yield block
+        for _ in range(400):  # half a minute of silence: the </s> ends the stream long before
+            read.append(SPT)
+            yield np.zeros(SPT, np.float32)
+
+    model = ClickModel(EndingSteps(1, [[w for _, w in SCRIPT[:2]]]))
+    ((t, error),) = list(model.stream_many([endless()]))
+    assert error is None and t.text == " Hello world." and t.tokens[-1] == SPEC.eos_id
+    assert sum(read) < len(audio)  # it ended within the clicks' audio

@@ -1,7 +1,7 @@
 """fp8 on CUDA (`--quant fp8`): the prefill's `scaled_mm` (`torch._scaled_mm` on the fp8 tensor cores, row-wise scales)
 against float64 over the same e4m3 operands, at the 3B's sizes; a tiny bf16 fp8 bundle exports with its prompt
 through `_scaled_mm` (the exporter checks it against the eager, dequantising model), records it, and transcribes
-with tokens the eager model's. Skipped without an sm_89+ GPU: none of this ran where it was written (CPU only)."""
+with tokens the eager model's. Skipped without an sm_89+ GPU."""
 
 from __future__ import annotations
 

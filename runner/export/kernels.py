@@ -32,6 +32,9 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms_glu", 8192, 3072): (2, 4096, 4, 1),
     ("add", 3072, 8192): (8, 1024, 4, 1),
     ("rms_f32", 131072, 3072): (4, 4096, 4, 1),
+    # on e4m3 codes (`--parts step,tune --fp8`): where the step's best beat its bf16 kind's tile past the noise
+    ("rms_glu_fp8", 8192, 3072): (4, 4096, 4, 1),
+    ("rms_f32_fp8", 131072, 3072): (8, 1024, 4, 1),
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
 # Splits of the positions per KV head, and positions per block (benchmarks/NOTES.md has the sweep). A cache of

@@ -169,10 +169,32 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
             # the int4 weights dequantised by the Triton op (the fallback keeps plain torch's)
             plan.export = lambda: kernels_int4.export_dequantizing(module, plan.example, plan.dynamic_shapes)
     if fp8_linear.scaled_mm_serves(opts.device, module):
-        plan.fallback = plan.fallback or replace(plan, key_extra={"fallback": "dequantised"})
-        plan.key_extra = {"fp8": "scaled_mm"}
-        plan.export = lambda: _export_scaled(module, plan)
+        scaled_mm_prefill(plan)
     return plan
+
+
+def scaled_mm_prefill(plan: MethodPlan) -> None:
+    """The prefill's fp8 layers on the fp8 tensor cores (`_scaled_mm`), checked against the eager reference computing
+    the same: the activations' rounding to e4m3 alone parts a deep random-init decoder from the dequantised eager
+    one by more than the check's tolerance, and the check is of the compile. Dequantising, against the dequantised
+    reference, as the fallback."""
+    plan.fallback = plan.fallback or replace(plan, key_extra={"fallback": "dequantised"})
+    plan.key_extra = {"fp8": "scaled_mm"}
+    module = plan.module
+    plan.export = lambda: _export_scaled(module, plan)
+    plan.reference = ScaledReference(plan.reference or module)
+
+
+class ScaledReference(nn.Module):
+    """`inner` run eagerly with its fp8 layers through `scaled_mm`, as the prefill compiled by `_export_scaled`."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        with fp8_linear.scaled_prefill(self.inner):
+            return self.inner(*args)
 
 
 def _export_scaled(module: nn.Module, plan: MethodPlan) -> torch.export.ExportedProgram:

@@ -20,7 +20,9 @@ from torch.export import Dim
 from runner.app.cli import main
 from runner.app.inspect_bundle import quant_line
 from runner.errors import BundleError, ExportError, RunnerError
+from runner.export import self_check
 from runner.export import voxtral as export_voxtral
+from runner.export.methods import MethodPlan
 from runner.export.pipeline import ExportOptions
 from runner.export.quant import apply_quant
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT
@@ -164,6 +166,38 @@ def test_the_cuda_prefill_traces_its_fp8_layers_to_scaled_mm():
     assert calls.count("aten._scaled_mm.default") == 5, calls
     assert not {f"aten.{op}.default" for op in ("mm", "addmm", "linear", "matmul", "bmm")} & set(calls), calls
     assert not any(lin.matmul for lin in fp8_layers(m))
+
+
+def test_a_scaled_mm_prefill_is_checked_against_eager_rounding_its_activations_as_it_does():
+    """The self-check compares the prefill compiled onto `_scaled_mm` with eager computing the same: here against an
+    emulation (each row of x to e4m3 at its own scale, times the dequantised weight), not the dequantised matmul,
+    which parts from it by the activations' rounding (over the 3B's 30 random layers: past bf16's tolerance). Its
+    dequantising fallback keeps the dequantised reference, and the eager layers dequantise again afterwards."""
+    m = Voxtral(preset("tiny")).init_weights(0).to(torch.bfloat16)
+    apply_quant(m, VOXTRAL_EXPORT, "fp8")
+    m.setup_caches(16)  # eager_outputs empties them after
+    head, x = LayerAndHead(m), (torch.randn(1, 9, m.config.text.dim) * 4).to(torch.bfloat16)
+    plan = MethodPlan("text_decoder", head, (x,), None, SimpleNamespace(state=None), [(x,)])
+    export_voxtral.scaled_mm_prefill(plan)
+    assert plan.key_extra == {"fp8": "scaled_mm"} and plan.fallback.key_extra == {"fallback": "dequantised"}
+    got = self_check.eager_outputs([plan], m)["text_decoder"][0]
+    fallback = self_check.eager_outputs([plan.fallback], m)["text_decoder"][0]
+
+    def emulated(lin, x):
+        sx = x.float().abs().amax(-1, keepdim=True) / 448
+        y = (nearest_e4m3(x.float() / sx) * sx) @ lin.dequantize(torch.float32).T
+        return (y if lin.bias is None else y + lin.bias.float()).to(x.dtype)
+
+    for lin in fp8_layers(m):
+        lin.matmul = emulated
+    with torch.no_grad():
+        want = head(x).double()
+    for lin in fp8_layers(m):
+        lin.matmul = None
+    rel = lambda a: ((a.double() - want).abs().max() / want.abs().max()).item()  # noqa: E731
+    assert rel(got) < 2e-2 and rel(fallback) > 4 * rel(got), (rel(got), rel(fallback))
+    with torch.no_grad():
+        assert torch.equal(fallback, head(x)) and not any(lin.matmul for lin in fp8_layers(m))
 
 
 def test_voxtral_fp8_quantises_the_int4_layers_and_records_them():

@@ -147,6 +147,28 @@ def test_health_and_metrics(live):
     assert 'runner_requests_total{route="/health",status="200"}' in text
 
 
+def curl(url: str, *fields: str, headers: tuple[str, ...] = ()) -> tuple[int, str]:
+    """curl's own multipart (`-F name=value`, `-F file=@path`) POSTed to the transcription route: (status, body)."""
+    args = ["curl", "-sS", "--noproxy", "*", "--max-time", "120", "-w", "\n%{http_code}"]
+    args += [a for f in fields for a in ("-F", f)] + [a for h in headers for a in ("-H", h)]
+    out = subprocess.run([*args, f"{url}/v1/audio/transcriptions"], capture_output=True, text=True, check=True)
+    body, _, status = out.stdout.rpartition("\n")
+    return int(status), body
+
+
+def test_curl_multipart_gets_what_run_json_says(live, records):
+    """The route as curl users call it: each format's answer is run --json's, and a request without a file is
+    OpenAI's 400 error object naming the field."""
+    record, name = records["speech.wav"], live.service.model.name
+    document = writers.transcript(record["text"], record["segments"], None)
+    status, body = curl(live.url, f"file=@{SPEECH}", f"model={name}")
+    assert status == 200 and json.loads(body)["text"] == record["text"]
+    assert curl(live.url, f"file=@{SPEECH}", "response_format=text") == (200, record["text"])
+    assert curl(live.url, f"file=@{SPEECH};type=audio/wav", "response_format=srt") == (200, writers.srt(document))
+    status, body = curl(live.url, f"model={name}", "response_format=json")
+    assert status == 400 and json.loads(body)["error"]["param"] == "file", body
+
+
 # ---------------------------------------------------------------- one program, many clients
 
 

@@ -147,10 +147,10 @@ def test_health_and_metrics(live):
     assert 'runner_requests_total{route="/health",status="200"}' in text
 
 
-def curl(url: str, *fields: str, headers: tuple[str, ...] = ()) -> tuple[int, str]:
+def curl(url: str, *fields: str) -> tuple[int, str]:
     """curl's own multipart (`-F name=value`, `-F file=@path`) POSTed to the transcription route: (status, body)."""
     args = ["curl", "-sS", "--noproxy", "*", "--max-time", "120", "-w", "\n%{http_code}"]
-    args += [a for f in fields for a in ("-F", f)] + [a for h in headers for a in ("-H", h)]
+    args += [a for f in fields for a in ("-F", f)]
     out = subprocess.run([*args, f"{url}/v1/audio/transcriptions"], capture_output=True, text=True, check=True)
     body, _, status = out.stdout.rpartition("\n")
     return int(status), body

@@ -33,6 +33,7 @@ import triton
 from profile_decode import graph_ms
 
 from runner.export import kernels as K
+from runner.export import kernels_attention as KA
 from runner.export.decode_step import DecodeStep
 from runner.models.fp8_linear import Fp8Linear
 from runner.models.quant_linear import swap_module
@@ -190,12 +191,12 @@ def sweep_attention(lm, c, results, fills=(512, 1000)) -> dict:
 
         def fused(p=pos, s=None, b=None, kc_vc=caches, cos=cos, sin=sin, launch=None):
             # the counters need no zeroing between calls: the last split of each head resets its count
-            return [K._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b, launch) for kc, vc in kc_vc]
+            return [KA._launch_attention(qkv, cos, sin, kc, vc, p, counters, 0, s, b, launch) for kc, vc in kc_vc]
 
         ref_ms = graph_ms(lambda p=pos, q=q: [reference_attention(q, kc, vc, p, rep, d) for kc, vc in caches], 20)
         rows = []
         max_seq = caches[0][0].shape[-2]
-        long = max_seq >= K.LONG_CACHE
+        long = max_seq >= KA.LONG_CACHE
         grid = [
             (s, b, None) for s, b in itertools.product((1, 2, 4, 8, 16, *((32, 64) if long else ())), (32, 64, 128))
         ]
@@ -323,12 +324,12 @@ def tune_in_step(lm, c, results, fill: int, suffix: str = "") -> None:
         # attention's splits x BLOCK_T likewise: in the step its cache reads come from HBM (the GEMVs between two
         # layers stream ~240 MB through L2), in the attention sweep largely from L2. BLOCK_T 256 needs more shared
         # memory than the H200 has (274 KB, session 14).
-        held = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
+        held = (KA.ATTN_SPLITS, KA.ATTN_BLOCK_T)
         rows = []
         for cfg in sorted({held, (1, 128), (2, 64), (2, 128), (4, 64), (4, 128), (8, 32), (8, 64)}):
-            K.ATTN_SPLITS, K.ATTN_BLOCK_T = cfg
+            KA.ATTN_SPLITS, KA.ATTN_BLOCK_T = cfg
             rows.append((graph_ms(lambda: step(emb, pos), 30, pdl), cfg))
-        K.ATTN_SPLITS, K.ATTN_BLOCK_T = held
+        KA.ATTN_SPLITS, KA.ATTN_BLOCK_T = held
         rows.sort()
         held_ms = next(ms for ms, cfg in rows if cfg == held)
         out["attention"] = {"best": rows[0][1], "best_ms": rows[0][0], "held": held, "held_ms": held_ms, "rows": rows}
@@ -345,8 +346,8 @@ def splits_in_step(lm, c, results, fills: list[int], max_seq: int) -> None:
     emb = torch.randn(1, 1, c.dim, dtype=BF16, device=DEV) * 0.5
     pdl = K.pdl_supported(emb)
     step = DecodeStep(c, lm, pdl=pdl)
-    held = (K.ATTN_SPLITS, K.LONG_SPLITS, K.ATTN_BLOCK_T)
-    table = (K.attention_splits(max_seq), K.ATTN_BLOCK_T)
+    held = (KA.ATTN_SPLITS, KA.LONG_SPLITS, KA.ATTN_BLOCK_T)
+    table = (KA.attention_splits(max_seq), KA.ATTN_BLOCK_T)
     grid = [table] + [g for g in SPLITS_GRID if g != table]
     out = results["splits_in_step"] = {"max_seq": max_seq, "table": table}
     try:
@@ -356,8 +357,8 @@ def splits_in_step(lm, c, results, fills: list[int], max_seq: int) -> None:
                 best: dict[tuple[int, int], float] = {}
                 for order in (grid, grid[::-1]):
                     for cfg in order:
-                        K.ATTN_SPLITS = K.LONG_SPLITS = cfg[0]
-                        K.ATTN_BLOCK_T = cfg[1]
+                        KA.ATTN_SPLITS = KA.LONG_SPLITS = cfg[0]
+                        KA.ATTN_BLOCK_T = cfg[1]
                         ms = graph_ms(lambda pos=pos: step(emb, pos), 30, pdl)
                         best[cfg] = min(ms, best.get(cfg, ms))
                 rows = sorted((ms, cfg) for cfg, ms in best.items())
@@ -368,7 +369,7 @@ def splits_in_step(lm, c, results, fills: list[int], max_seq: int) -> None:
                     flush=True,
                 )
     finally:
-        K.ATTN_SPLITS, K.LONG_SPLITS, K.ATTN_BLOCK_T = held
+        KA.ATTN_SPLITS, KA.LONG_SPLITS, KA.ATTN_BLOCK_T = held
 
 
 def main() -> None:
@@ -418,8 +419,10 @@ def main() -> None:
                 K.GEMV_CONFIGS[(kind.split()[0], b["n"], b["k"])] = tuple(b["config"])
         if "attention" in parts:
             sweep_attention(lm, c, results, fills)
-            results["attention_table_config"] = (K.ATTN_SPLITS, K.ATTN_BLOCK_T)
-            print(f"attention: the table's config is {K.ATTN_SPLITS} x {K.ATTN_BLOCK_T}; the step uses it", flush=True)
+            results["attention_table_config"] = (KA.ATTN_SPLITS, KA.ATTN_BLOCK_T)
+            print(
+                f"attention: the table's config is {KA.ATTN_SPLITS} x {KA.ATTN_BLOCK_T}; the step uses it", flush=True
+            )
         if "step" in parts:
             time_steps(lm, c, results, args.fill)
         if "tune" in parts:

@@ -2,9 +2,9 @@
 
 The dynamic `text_decoder` serves prefill and decode alike, so its matmuls are the general cuBLAS ones. The step
 method is the same decoder (the same parameters: the runtime binds one copy of the weights and one KV cache to
-both methods) exported for exactly one token. On CUDA it runs the hand-written kernels of `kernels.py`: RMSNorm
-folded into the GEMVs, residual adds and SiLU(gate) * up in their epilogues, and one attention kernel per layer
-(RoPE, the cache write, attention over the valid positions only). A linear layer quantised to int4
+both methods) exported for exactly one token. On CUDA it runs hand-written kernels: `kernels.py`'s GEMVs (RMSNorm
+folded in, residual adds and SiLU(gate) * up in their epilogues) and `kernels_attention.py`'s one attention kernel
+per layer (RoPE, the cache write, attention over the valid positions only). A linear layer quantised to int4
 (`QuantLinear`, `--quant int4`) is aten's `_weight_int4pack_mm` (tinygemm, on the bundle's buffers as stored), its
 RMSNorm, residual add and SiLU(gate) * up plain torch around it, which Inductor fuses into one kernel each: our own
 int4 GEMVs were instruction-bound, slower than tinygemm (benchmarks/NOTES.md has the measurements). An fp8 layer
@@ -30,7 +30,7 @@ class DecodeStep(nn.Module):
     def __init__(self, c: TextConfig, lm: LanguageModel, pdl: bool = False):
         """`pdl`: the kernels wait for the kernel before them (programmatic dependent launch; sm_90+)."""
         super().__init__()
-        from runner.export import kernels  # noqa: F401  (registers torch.ops.voxtral.*; needs Triton)
+        from runner.export import kernels, kernels_attention  # noqa: F401  (register torch.ops.voxtral.*; Triton)
 
         self.c, self.pdl = c, pdl
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head

@@ -7,12 +7,11 @@ whole cache with three kernels per layer (benchmarks/NOTES.md has the measuremen
     the input is read once), optionally with SiLU(gate) * up in the epilogue (the fused gate_up weight) or a
     float32 output (lm_head);
   - `gemv_add`: a GEMV with the residual add in its epilogue;
-  - `decode_attention`: one kernel per layer for everything between the qkv GEMV and o_proj: RoPE, the cache
-    write, and flash-decoding over the valid positions only (the query heads of one KV head together), its
-    splits merged in the kernel.
+  - `rms_gemv_fp8`, `gemv_add_fp8`: the same over e4m3 codes, each row's sum scaled once.
+The step's attention is kernels_attention.py's; both wait on their predecessor alike (`after_predecessor`).
 
 Every op is registered with `torch.library.triton_op`, so torch.export keeps it as one node and AOTInductor
-compiles the Triton kernel into the `.so`. Triton is imported only here: CPU exports never load this module.
+compiles the Triton kernel into the `.so`. Triton is imported only by the kernels modules: CPU exports never load them.
 """
 
 from __future__ import annotations
@@ -37,16 +36,6 @@ GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int, int]] = {
     ("rms_f32_fp8", 131072, 3072): (8, 1024, 4, 1),
 }
 DEFAULT_GEMV = (8, 512, 4, 2)
-# Splits of the positions per KV head, and positions per block (benchmarks/NOTES.md has the sweep). A cache of
-# LONG_CACHE positions or more (the 10-minute bundle) gets LONG_SPLITS: with few splits a long cache leaves most
-# SMs idle, each program streaming thousands of positions; at a short position the extra splits find nothing to do
-# (a split is at least BLOCK_T positions) and exit.
-ATTN_SPLITS, ATTN_BLOCK_T = 4, 128
-LONG_CACHE, LONG_SPLITS = 4096, 16
-
-
-def attention_splits(max_seq: int) -> int:
-    return LONG_SPLITS if max_seq >= LONG_CACHE else ATTN_SPLITS
 
 
 def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
@@ -57,7 +46,7 @@ def gemv_config(kind: str, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _after_predecessor(anchor):
+def after_predecessor(anchor):
     """griddepcontrol.wait (the kernel before this one has finished and its writes are visible), then
     griddepcontrol.launch_dependents (the kernel after may start); returns 0, to be added to the pointers read
     afterwards. Both are no-ops in a kernel launched without programmatic dependent launch (runner/runtime/pdl.py).
@@ -138,7 +127,7 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     w, wu = _gemv_weights(w_ptr, rows, cols, N, K, row_ok, GLU)
     if PDL:
-        ready = tl.multiple_of(_after_predecessor(tl.program_id(0)), 16)
+        ready = tl.multiple_of(after_predecessor(tl.program_id(0)), 16)
         x_ptr += ready
         r_ptr += ready
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -248,240 +237,3 @@ def gemv_add_fp8(
 ) -> torch.Tensor:
     """gemv_add over an fp8 layer: residual + (codes * scale[:, None]) @ x, bf16."""
     return _launch_gemv(x, codes, scale=scale, residual=residual, pdl=pdl)
-
-
-@triton.jit
-def _rope_table_kernel(pos_ptr, inv_freq_ptr, out_ptr, HALF: tl.constexpr):
-    """cos and sin of this position's rotation angles, as `model.rope` computes them (float32, then the model's
-    dtype): out[0] = cos, out[1] = sin, each [2 * HALF] (the angles repeated for the two halves)."""
-    i = tl.arange(0, 2 * HALF)
-    f = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_freq_ptr + i % HALF)
-    tl.store(out_ptr + i, tl.cos(f).to(out_ptr.dtype.element_ty))
-    tl.store(out_ptr + 2 * HALF + i, tl.sin(f).to(out_ptr.dtype.element_ty))
-
-
-@triton_op("voxtral::rope_table", mutates_args=())
-def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """pos [1], inv_freq [D / 2] float32 -> [2, D] (cos, sin) in like's dtype. An op of its own, computed once per
-    step: written as torch ops, Inductor recomputed cos/sin in two kernels per layer, inside each consumer's
-    inputs (benchmarks/NOTES.md)."""
-    half = inv_freq.shape[0]
-    out = torch.empty(2, 2 * half, dtype=like.dtype, device=like.device)
-    wrap_triton(_rope_table_kernel)[(1,)](pos, inv_freq, out, HALF=half, num_warps=1)
-    return out
-
-
-@triton.jit
-def _rope_rows(x_ptr, rows, d, cos, sin, HALF: tl.constexpr):
-    """Rotate-half RoPE of rows `rows` of a row-major [*, 2*HALF] tensor, in float32 and rounded once, as Inductor
-    computes it in the compiled text_decoder (eager rounds x * cos and rotate_half(x) * sin first: 1 ulp apart)."""
-    x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + d[None, :]).to(tl.float32)
-    partner = tl.load(x_ptr + rows[:, None] * (2 * HALF) + ((d + HALF) % (2 * HALF))[None, :]).to(tl.float32)
-    rot = tl.where((d < HALF)[None, :], -partner, partner)
-    return (x * cos[None, :] + rot * sin[None, :]).to(x_ptr.dtype.element_ty)
-
-
-@triton.jit
-def split_range(pos, s, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Split s's slice [start, end) of positions [0, pos]: SPLITS slices of whole BLOCK_T blocks (the last ones
-    may be empty)."""
-    per = _split_size(pos + 1, SPLITS, BLOCK_T)
-    start = s * per
-    return start, tl.minimum(start + per, pos + 1)
-
-
-@triton.jit
-def _split_size(n_valid, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
-    return tl.cdiv(tl.cdiv(n_valid, SPLITS), BLOCK_T) * BLOCK_T
-
-
-@triton.jit
-def active_splits(pos, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """How many of split_range's slices of [0, pos] hold a position: the first ones (the rest are empty)."""
-    return tl.cdiv(pos + 1, _split_size(pos + 1, SPLITS, BLOCK_T))
-
-
-@triton.jit
-def attend_positions(
-    q, k_ptr, v_ptr, start, end, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SM_SCALE: tl.constexpr
-):
-    """Online softmax of q [BLOCK_H, D] over cached positions [start, end) of one head's keys and values (k_ptr,
-    v_ptr at its position 0, D per position) -> (max, sum, weighted values) [BLOCK_H], [BLOCK_H], [BLOCK_H, D] in
-    float32; an empty range gives -inf, 0, 0."""
-    d = tl.arange(0, D)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < end
-        k = tl.load(k_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * SM_SCALE
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + t[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    return m, denom, acc
-
-
-@triton.jit
-def _attention_kernel(
-    qkv_ptr,
-    cos_ptr,
-    sin_ptr,
-    k_ptr,
-    v_ptr,
-    pos_ptr,
-    count_ptr,
-    count_offset,
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    max_seq,
-    SM_SCALE: tl.constexpr,
-    H: tl.constexpr,
-    H_KV: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    REP_P2: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (kv head j, split s) of one decode step: RoPE on the REP query heads of KV head j and on its new
-    key (read raw from the qkv GEMV's output), then attention over positions [0, pos], the s-th of SPLITS slices.
-
-    - The new position comes from registers, not from the cache: every program computes the new key and value
-      itself, split 0 writes them to the cache, and no program reads that slot, so none waits for the write.
-    - The splits are merged by whichever finishes last (a per-head counter, zero on entry and reset to zero by
-      the last): partials go to m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back
-      from L2 (.cg). No combine kernel, so no second launch on attention's latency path.
-    - With PDL it waits for the qkv GEMV only before reading qkv (see `_gemv_kernel`)
-    Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
-    REP: tl.constexpr = H // H_KV
-    HALF: tl.constexpr = D // 2
-    j = tl.program_id(0)
-    s = tl.program_id(1)
-    pos = tl.load(pos_ptr).to(tl.int32)
-    active = active_splits(pos, SPLITS, BLOCK_T)
-    if s >= active:  # no positions here: gone before the PDL wait, the merge counts only the active splits
-        return
-    h = tl.arange(0, BLOCK_H)
-    h_ok = h < REP
-    d = tl.arange(0, D)
-    cos = tl.load(cos_ptr + d).to(tl.float32)
-    sin = tl.load(sin_ptr + d).to(tl.float32)
-    if PDL:  # qkv is the kernel before's output; pos, cos/sin and the counters were written before that one ran
-        qkv_ptr += tl.multiple_of(_after_predecessor(j), 16)
-    q = _rope_rows(qkv_ptr, j * REP + tl.minimum(h, REP - 1), d, cos, sin, HALF)  # padding rows repeat row REP-1
-    one = tl.arange(0, 1)
-    k_new = _rope_rows(qkv_ptr, H + j + one, d, cos, sin, HALF)  # [1, D]
-    v_new = tl.load(qkv_ptr + (H + H_KV + j + one)[:, None] * D + d[None, :])
-    base = j.to(tl.int64) * max_seq * D
-    if s == 0:
-        tl.store(k_ptr + base + pos * D + d[None, :], k_new)
-        tl.store(v_ptr + base + pos * D + d[None, :], v_new)
-
-    # this split's slice of positions [0, pos]: cached ones [start, min(end, pos)), the new one if end > pos
-    start, end = split_range(pos, s, SPLITS, BLOCK_T)
-    m, denom, acc = attend_positions(
-        q, k_ptr + base, v_ptr + base, start, tl.minimum(end, pos), BLOCK_H, D, BLOCK_T, SM_SCALE
-    )
-    if (start <= pos) & (pos < end):
-        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * SM_SCALE  # [BLOCK_H]
-        m_new = tl.maximum(m, score)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(score - m_new)
-        denom = denom * alpha + p
-        # p rounded as tl.dot's bf16 operand rounds it for the cached positions
-        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-        m = m_new
-
-    if active == 1:  # one split holds every position (always so with SPLITS 1): no partials, no merge
-        rows = (j * REP + h)[:, None] * D + d[None, :]
-        tl.store(out_ptr + rows, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-    else:
-        part = (j * SPLITS + s) * BLOCK_H + h
-        tl.store(m_ptr + part, m)
-        tl.store(l_ptr + part, denom)
-        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        if tl.atomic_add(count_ptr + count_offset + j, 1, sem="acq_rel") == active - 1:
-            tl.store(count_ptr + count_offset + j, 0)  # the count back to zero: the buffer is ready for the next step
-            sp = tl.arange(0, SPLITS)
-            r = tl.arange(0, REP_P2)  # the real query rows only (BLOCK_H pads them for tl.dot)
-            parts = (j * SPLITS + sp)[:, None] * BLOCK_H + r[None, :]  # [SPLITS, REP_P2]
-            on = (sp < active)[:, None]  # the inactive splits wrote nothing
-            ms = tl.load(m_ptr + parts, mask=on, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp(ms - tl.max(ms, axis=0)[None, :])  # an empty split (m = -inf) weighs nothing
-            total = tl.sum(tl.load(l_ptr + parts, mask=on, other=0.0, cache_modifier=".cg") * w, axis=0)
-            accs = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], mask=on[:, :, None], other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
-            o = tl.sum(accs * w[:, :, None], axis=0) / total[:, None]
-            out_rows = (j * REP + r)[:, None] * D + d[None, :]
-            tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
-
-
-def _launch_attention(
-    qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, splits=None, block_t=None, launch=None, *, pdl=False
-):
-    """`launch`: Triton's launch options (num_warps, num_stages) for a sweep; the table's otherwise."""
-    n_kv, max_seq, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    n_heads = qkv.shape[0] // d - 2 * n_kv
-    splits, block_t = splits or attention_splits(max_seq), block_t or ATTN_BLOCK_T
-    rep_p2 = triton.next_power_of_2(n_heads // n_kv)
-    block_h = max(16, rep_p2)
-    out = torch.empty(n_heads * d, dtype=qkv.dtype, device=qkv.device)
-    m = torch.empty(n_kv * splits * block_h, dtype=torch.float32, device=qkv.device)
-    denom = torch.empty_like(m)
-    acc = torch.empty(n_kv * splits * block_h * d, dtype=torch.float32, device=qkv.device)
-    wrap_triton(_attention_kernel)[(n_kv, splits)](
-        qkv,
-        cos,
-        sin,
-        k_cache,
-        v_cache,
-        pos,
-        counters,
-        counter_offset,
-        m,
-        denom,
-        acc,
-        out,
-        max_seq,
-        SM_SCALE=d**-0.5,
-        H=n_heads,
-        H_KV=n_kv,
-        D=d,
-        BLOCK_H=block_h,
-        REP_P2=rep_p2,
-        BLOCK_T=block_t,
-        SPLITS=splits,
-        PDL=pdl,
-        **(launch or {"num_warps": 4}),
-    )
-    return out
-
-
-@triton_op("voxtral::decode_attention", mutates_args={"k_cache", "v_cache", "counters"})
-def decode_attention(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    pos: torch.Tensor,
-    counters: torch.Tensor,
-    counter_offset: int,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """One decode step's attention: qkv [(H + 2 H_kv) * D] as the qkv GEMV wrote it (no RoPE yet), cos/sin [D] of
-    this position, caches [1, H_kv, max_seq, D] (this position's key and value are written here), pos [1],
-    counters int32, zero in the H_KV slots from counter_offset (a multiple of 16: every layer specialises alike)
-    and left zero -> [H * D]."""
-    return _launch_attention(qkv, cos, sin, k_cache, v_cache, pos, counters, counter_offset, pdl=pdl)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from runner.export.kernels import ATTN_BLOCK_T, attend_positions, attention_splits, split_range
+from runner.export.kernels_attention import ATTN_BLOCK_T, attend_positions, attention_splits, split_range
 
 
 @triton.jit

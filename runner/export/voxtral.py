@@ -57,6 +57,7 @@ SOURCE_FILES = (
     "export/voxtral.py",
     "export/decode_step.py",
     "export/kernels.py",
+    "export/kernels_attention.py",
     "export/kernels_prefill.py",
     "export/kernels_batch.py",
     "export/kernels_int4.py",

@@ -3,7 +3,7 @@
 In a graph captured from a stream, every kernel waits for the one before it to finish and flush before its first
 block starts: each of the decode step's kernels pays a launch, a ramp to full bandwidth and a tail. Hopper can
 start a kernel early, while its predecessor's last blocks run, if the edge between them is *programmatic*; the
-kernel then waits (`griddepcontrol.wait`) at the point it first reads its predecessor's output. The decode kernels of `text_decoder_step` (runner/export/kernels.py) load
+kernel then waits (`griddepcontrol.wait`) at the point it first reads its predecessor's output. The decode kernels of `text_decoder_step` (runner/export/kernels.py, kernels_attention.py) load
 their weights first and wait after, but AOTInductor launches them with plain `cuLaunchKernel`, so a capture records
 only full edges. This module rewrites those edges in the captured graph, before it is instantiated: an edge becomes
 programmatic only where both ends are kernels and the later one is one of ours (it waits before reading); every

@@ -1,4 +1,4 @@
-"""The decode-step Triton kernels (runner/export/kernels.py) against torch: the math, the masks at ragged sizes,
+"""The decode-step Triton kernels (runner/export/kernels.py, kernels_attention.py) against torch: the math, the masks at ragged sizes,
 the split-and-combine of attention, and the whole DecodeStep against the written-out decoder. On a GPU the
 kernels are compiled; without one, Triton's interpreter runs them on the CPU (TRITON_INTERPRET=1). Speed is
 measured on the H200 (benchmarks/decode_kernels.py); the export's self-check compares the compiled step with the
@@ -15,6 +15,7 @@ from kernel_env import DEV, DOT_DTYPE, on_h200_target  # before the kernels: on 
 pytest.importorskip("triton")
 
 from runner.export import kernels as K  # noqa: E402
+from runner.export import kernels_attention as KA  # noqa: E402
 from runner.export.decode_step import DecodeStep  # noqa: E402
 from runner.export.quant import apply_quant  # noqa: E402
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT  # noqa: E402
@@ -120,7 +121,7 @@ def test_rope_table(pos):
     """One kernel per step for every layer's RoPE: model.rope's cos and sin, within one rounding of the dtype."""
     d, theta = 128, 1e8
     pos_t = torch.tensor([pos], device=DEV)
-    got = K.rope_table(pos_t, rope_inv_freq(d, theta, DEV), torch.empty(0, dtype=torch.bfloat16, device=DEV))
+    got = KA.rope_table(pos_t, rope_inv_freq(d, theta, DEV), torch.empty(0, dtype=torch.bfloat16, device=DEV))
     cos, sin = rope(pos_t, d, theta, torch.bfloat16)
     assert got.shape == (2, d) and got.dtype == torch.bfloat16
     assert (got.float() - torch.cat([cos, sin]).float()).abs().max() <= 2**-8
@@ -145,7 +146,7 @@ def test_decode_attention(pos, splits, block_t):
     want_v[0, :, pos] = v.view(kv, d)
     counters = torch.zeros(32, dtype=torch.int32, device=DEV)
     pos_t = torch.tensor([pos], device=DEV)
-    got = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
+    got = KA._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert got.shape == (h * d,)
     assert torch.equal(vc, want_v)
     # RoPE rounded once (as Inductor's compiled decoder rounds it), eager after each product too: apart by at most
@@ -158,13 +159,13 @@ def test_decode_attention(pos, splits, block_t):
     tol = 2e-3 if DOT_DTYPE == torch.float16 else 2e-2  # bf16 probabilities in p @ V
     assert (got.float() - reference_attention(q, want_k, want_v, pos)).abs().max() < tol
     assert not counters.any()  # the last split of each head resets its count: a second call merges again
-    again = K._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
+    again = KA._launch_attention(qkv, cos[0].to(DEV), sin[0].to(DEV), kc, vc, pos_t, counters, 16, splits, block_t)
     assert torch.equal(again, got)
 
 
 def test_attention_splits_follow_the_capacity():
-    assert K.attention_splits(1024) == K.ATTN_SPLITS == 4  # the headline bundle's, as tuned
-    assert K.attention_splits(8192) == K.attention_splits(10240) == K.LONG_SPLITS == 16
+    assert KA.attention_splits(1024) == KA.ATTN_SPLITS == 4  # the headline bundle's, as tuned
+    assert KA.attention_splits(8192) == KA.attention_splits(10240) == KA.LONG_SPLITS == 16
 
 
 @pytest.mark.parametrize("quant", ["none", "int4", "fp8"])
@@ -212,7 +213,7 @@ def test_decode_step_module_only_where_attention_can_tile(head_dim, kernels):
 
 
 ATTENTION_COMPILE = r"""
-from runner.export import kernels as K
+from runner.export import kernels_attention as KA
 
 consts = {"SM_SCALE": 128**-0.5, "H": 32, "H_KV": 8, "D": 128, "BLOCK_H": 16, "REP_P2": 4, "BLOCK_T": 128,
           "SPLITS": 16, "PDL": True}
@@ -221,9 +222,9 @@ ptrs = ("qkv_ptr", "cos_ptr", "sin_ptr", "k_ptr", "v_ptr", "pos_ptr", "count_ptr
 types = {"pos_ptr": "*i64", "count_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
 sig = {**{p: types.get(p, "*bf16") for p in ptrs}, "count_offset": "i32", "max_seq": "i32",
        **dict.fromkeys(consts, "constexpr")}
-names = K._attention_kernel.arg_names
+names = KA._attention_kernel.arg_names
 attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ptrs}
-k = triton.compile(ASTSource(K._attention_kernel, sig, consts, attrs), target=H200, options={"num_warps": 4})
+k = triton.compile(ASTSource(KA._attention_kernel, sig, consts, attrs), target=H200, options={"num_warps": 4})
 ptx = k.asm["ptx"]
 code = [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith((".loc", "//"))]
 first_branch = next(i for i, line in enumerate(code) if " bra" in line)

@@ -42,6 +42,7 @@ def test_nothing_to_pick_in_a_graph_of_other_kernels():
 # the kernels as JIT functions in a fresh interpreter (tests/kernel_env.py: the H200's target, `written`)
 ANALYSE = r"""
 from runner.export import kernels as K
+from runner.export import kernels_attention as KA
 
 bf16, f32 = torch.bfloat16, torch.float32
 z = lambda n, dt=bf16: torch.zeros(n, dtype=dt)
@@ -57,7 +58,7 @@ for pdl in (False, True):
                      l_ptr=z(64, f32), acc_ptr=z(64 * 64, f32), out_ptr=z(8 * 64), max_seq=32, SM_SCALE=0.125, H=8,
                      H_KV=2, D=64, BLOCK_H=16, REP_P2=4, BLOCK_T=16, SPLITS=2, PDL=pdl)
     out[str(pdl)] = {"gemv": written(K._gemv_kernel, gemv), "gemv_fp8": written(K._gemv_kernel, fp8),
-                     "attention": written(K._attention_kernel, attention)}
+                     "attention": written(KA._attention_kernel, attention)}
 print(json.dumps(out))
 """
 

@@ -26,6 +26,8 @@ line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with
     int4        int4_kernels.py --int4-args -> int4.json
     fp8_kernels decode_kernels.py's whole step in bf16 and on e4m3 codes, then each fp8 GEMV's config tuned in the
                 step -> decode_kernels_{bf16,fp8}.json
+    batch_kernels  batch_kernels.py: the batched step's row kernels tuned at each of --tp-batches rows, then the
+                whole batched step with torch's linears and with them, beside the batch-1 step -> batch_kernels.json
     export_fp8  the 3B bundle with --quant fp8 -> --bundle-fp8;  fp8: it and --bundle, ours alone, alternating twice
                 -> fp8.md
     small24b    Voxtral-Small-24B dims, random init: export (other bundles deleted for the disk), then bench
@@ -86,9 +88,10 @@ LIMITS = {
     "weights": 240, "regen": 180, "ab": 300, "profile": 90, "kernels": 540, "prefill": 180, "whisper": 540,
     "soak": 540, "realtime": 480, "export_int4": 420, "bench_int4": 200, "int4": 300, "small24b": 560,
     "throughput": 240, "golden": 420, "act": 580, "serve": 540, "fp8_kernels": 420, "export_fp8": 420, "fp8": 420,
+    "batch_kernels": 560,
 }  # fmt: skip
 KEEP = ("summary.md", "summary.json", "act_summaries.tar.gz", "tiny.json", "voxtral-mini-3b-random.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
-        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "fp8.md", "firstrun.md", "weights.md")  # fmt: skip
+        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "fp8.md", "firstrun.md", "weights.md", "batch_kernels.json")  # fmt: skip
 
 
 # ---------------------------------------------------------------- modes: each returns its summary line
@@ -445,6 +448,16 @@ def mode_fp8_kernels(c: Call) -> str:
     tuned = (c.read_json("decode_kernels_fp8.json") or {}).get("in_step_tuning", {})
     best = ", ".join(f"{k} {v['best']}" for k, v in tuned.items() if k != "pdl_ab" and "best" in v)
     return f"step compiled: bf16 {ms['bf16']:.3f} ms, fp8 {ms['fp8']:.3f} ms; fp8 best in step: {best}"
+
+
+def mode_batch_kernels(c: Call) -> str:
+    """The row kernels' configs per kind (their best kept for the step), then the batched step's ms and ratio to
+    the batch-1 step with torch's linears and with the row kernels, at each of --tp-batches."""
+    rc = c.script("batch_kernels.py", "--batches", c.cfg.tp_batches, "--fill", c.cfg.kernel_fill,
+                  "--out", str(c.out / "batch_kernels.json"), log="batch_kernels.log")  # fmt: skip
+    c.check(rc, "batch_kernels.py", "batch_kernels.log")
+    step = (c.read_json("batch_kernels.json") or {}).get("step", {})
+    return "; ".join(f"{k} {v['ms']:.3f} ms ({v['vs_batch1']:.2f}x)" for k, v in step.items() if isinstance(v, dict))
 
 
 def mode_export_fp8(c: Call) -> str:

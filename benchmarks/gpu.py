@@ -26,8 +26,6 @@ line) goes to $OUT/summary.json and $OUT/summary.md, written by one writer, with
     int4        int4_kernels.py --int4-args -> int4.json
     fp8_kernels decode_kernels.py's whole step in bf16 and on e4m3 codes, then each fp8 GEMV's config tuned in the
                 step -> decode_kernels_{bf16,fp8}.json
-    batch_kernels  batch_kernels.py: the batched step's row kernels tuned at each of --tp-batches rows, then the
-                whole batched step with torch's linears and with them, beside the batch-1 step -> batch_kernels.json
     export_fp8  the 3B bundle with --quant fp8 -> --bundle-fp8;  fp8: it and --bundle, ours alone, alternating twice
                 -> fp8.md
     small24b    Voxtral-Small-24B dims, random init: export (other bundles deleted for the disk), then bench
@@ -89,10 +87,9 @@ LIMITS = {
     "weights": 240, "regen": 180, "ab": 300, "profile": 90, "kernels": 540, "prefill": 180, "whisper": 540,
     "soak": 540, "realtime": 480, "export_int4": 420, "bench_int4": 200, "int4": 300, "small24b": 560,
     "throughput": 240, "golden": 420, "act": 580, "serve": 540, "fp8_kernels": 420, "export_fp8": 420, "fp8": 420,
-    "batch_kernels": 560,
 }  # fmt: skip
 KEEP = ("summary.md", "summary.json", "act_summaries.tar.gz", "tiny.json", "voxtral-mini-3b-random.json", "bench_3b.json", "bench_3b.md", "realtime.json", "bench_tp.json",
-        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "fp8.md", "firstrun.md", "weights.md", "batch_kernels.json")  # fmt: skip
+        "serve_tp.json", "bench_24b.json", "bench_3b_int4.json", "bench_long.json", "ab.md", "fp8.md", "firstrun.md", "weights.md")  # fmt: skip
 
 
 # ---------------------------------------------------------------- modes: each returns its summary line

@@ -67,14 +67,4 @@ def mode_fp8_kernels(c: Call) -> str:
     return f"step compiled: bf16 {ms['bf16']:.3f} ms, fp8 {ms['fp8']:.3f} ms; fp8 best in step: {best}"
 
 
-def mode_batch_kernels(c: Call) -> str:
-    """The row kernels' configs per kind (their best kept for the step), then the batched step's ms and ratio to
-    the batch-1 step with torch's linears and with the row kernels, at each of --tp-batches."""
-    rc = c.script("batch_kernels.py", "--batches", c.cfg.tp_batches, "--fill", c.cfg.kernel_fill,
-                  "--out", str(c.out / "batch_kernels.json"), log="batch_kernels.log")  # fmt: skip
-    c.check(rc, "batch_kernels.py", "batch_kernels.log")
-    step = (c.read_json("batch_kernels.json") or {}).get("step", {})
-    return "; ".join(f"{k} {v['ms']:.3f} ms ({v['vs_batch1']:.2f}x)" for k, v in step.items() if isinstance(v, dict))
-
-
 MODES = {name[5:]: fn for name, fn in globals().items() if name.startswith("mode_")}

@@ -10,8 +10,11 @@
 4. Time to first token: one runner.generate() on speech.wav (the bench's e2e figure), host and device on one
    clock: the GPU's busy time, and its idle gaps with the host event running in each (where the time goes
    beyond the kernels).
+5. With --batches (a bundle exported with --max-batch): the batched step's CUDA graph at each batch, replays back to
+   back and its kernel table (every row at position 385, as the batch-1 step).
 
     python benchmarks/profile_decode.py artifacts/3b > profile.txt
+    python benchmarks/profile_decode.py --no-ceilings --batches 1,8,32 artifacts/3b-batch32 > profile.txt
 """
 
 from __future__ import annotations
@@ -167,6 +170,31 @@ def profile_prefill(engine: ProgramEngine, chunks: int, acts) -> None:
         kernel_table(prof, 1, f"{name}, {what}, direct call", 30)
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def profile_batches(engine: ProgramEngine, batches: list[int], steps: int, acts) -> None:
+    """Part 5: the batched step's graph of each batch (BatchGraphs captures them all at the first step)."""
+    for b in batches:
+        tokens = torch.zeros(b, 1, dtype=torch.int64, device="cuda")
+        engine.decode_batch(tokens, torch.full((b,), 385, dtype=torch.int64, device="cuda"))
+        graphs = engine.batch_graphs.graphs
+        graph = graphs[next(size for size in graphs if size >= b)][0]
+        print(f"## batched step, B = {b}: graph replays back to back: {replay_ms(graph):.3f} ms/step\n")
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernel_table(prof, steps, f"batched step B = {b}, graph replay")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("bundle")
@@ -180,6 +208,12 @@ def main() -> int:
         help="part 3's audio lengths in 30 s chunks, comma-separated (the bundle must take the most): 1 = the "
         "headline's 385-token prompt, 20 = 10 minutes",
     )
+    p.add_argument(
+        "--batches",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[],
+        help="part 5's batch sizes, comma-separated (a bundle exported with --max-batch at least the largest)",
+    )
     args = p.parse_args()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
@@ -188,6 +222,8 @@ def main() -> int:
 
     program = Program.load(args.bundle, device="cuda")
     engine = ProgramEngine(program, RuntimeOptions(pdl=not args.no_pdl))
+    if args.batches and max(args.batches) > engine.max_batch:
+        p.error(f"--batches: the bundle decodes at most {engine.max_batch} rows (export it with --max-batch)")
     engine.reset()  # captures the decode graph
     tok = engine.graph.token
     for chunks in args.chunks:
@@ -197,13 +233,7 @@ def main() -> int:
     for _ in range(5):
         engine.graph.step(tok, pos)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(100):
-        engine.graph.graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    print(f"## decode step: graph replays back to back: {start.elapsed_time(end) / 100:.3f} ms/step\n")
+    print(f"## decode step: graph replays back to back: {replay_ms(engine.graph.graph):.3f} ms/step\n")
     with profile(activities=acts) as prof:
         for _ in range(args.steps):
             engine.graph.graph.replay()
@@ -215,6 +245,8 @@ def main() -> int:
         torch.cuda.synchronize()
     kernel_table(prof, args.steps, "decode step, direct calls")
     ttft_timeline(engine, Tekken.from_file(Path(args.bundle) / program.manifest.model["tokenizer"]))
+    if args.batches:
+        profile_batches(engine, args.batches, args.steps, acts)
     program.close()
     return 0
 

@@ -46,7 +46,7 @@ from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken
 from runner.models import fp8_linear, voxtral
 from runner.models.quant_linear import QuantLinear
 from runner.models.voxtral import Voxtral
-from runner.models.voxtral_batch import BatchDecoder, BatchKernels, SlotCaches
+from runner.models.voxtral_batch import BatchDecoder, SlotCaches
 from runner.models.voxtral_config import PRESETS
 
 # Hashed into the compile-cache key beside the pipeline's own sources: editing these must recompile.
@@ -60,7 +60,6 @@ SOURCE_FILES = (
     "export/kernels_attention.py",
     "export/kernels_prefill.py",
     "export/kernels_batch.py",
-    "export/kernels_rows.py",
     "export/kernels_int4.py",
     "export/quant.py",
     "models/quant_linear.py",
@@ -258,9 +257,9 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
 
     traced = TracedSlots(BATCH_STATE_PREFIX)  # the slot caches (max_batch rows of the whole context)
 
-    def export(kernels=BatchKernels()):
+    def export(attend=None):
         caches = SlotCaches(c, n, opts.max_seq_len, dtype, dev)
-        module = traced.add(BatchDecoder(c, model.language_model, caches, kernels))
+        module = traced.add(BatchDecoder(c, model.language_model, caches, attend))
         b = Dim("batch", min=1, max=n)
         # 2 rows: 1 would specialise B; size-oblivious tracing keeps the program general where the trace would
         # guard on B != 1 (as the realtime steps and the mel's chunk dim), and so does the compile (size_oblivious)
@@ -289,15 +288,11 @@ def batch_plan(model: Voxtral, opts: ExportOptions, state) -> MethodPlan:
         release=traced.release,
         size_oblivious=True,
     )
-    if _triton_tiles(model, opts.device):  # the Triton ops: each row's own positions, the linears' weights read once
-        from runner.export import kernels_batch, kernels_rows  # imports Triton
+    if _triton_tiles(model, opts.device):  # each row's own positions through the Triton op; the whole slot else
+        from runner.export import kernels_batch  # imports Triton
 
-        rows = kernels_rows.RowLinears(n, pdl=decode_kernels_wait(opts.device, opts.pdl))
-        kernels = BatchKernels(kernels_batch.attend, rows.rms_linear, rows.linear_add)
         fallback = replace(plan, key_extra={"max_batch": n, "fallback": "written-out"})
-        plan = replace(
-            plan, export=lambda: export(kernels), key_extra={"max_batch": n, "rows": "triton"}, fallback=fallback
-        )
+        plan = replace(plan, export=lambda: export(kernels_batch.attend), fallback=fallback)
     return plan
 
 

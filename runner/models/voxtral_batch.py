@@ -10,14 +10,11 @@ per step would move several times what tinygemm reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from runner.models.quant_linear import few_rows
-from runner.models.voxtral import Attention, LanguageModel, RMSNorm, apply_rope, rope, silu_mul
+from runner.models.voxtral import Attention, LanguageModel, apply_rope, rope, silu_mul
 from runner.models.voxtral_config import TextConfig
 
 
@@ -65,41 +62,19 @@ class SlotCaches(nn.Module):
             buf.zero_()
 
 
-def rms_linear(x: torch.Tensor, norm: RMSNorm, lin: nn.Module, glu: bool = False, out_f32: bool = False):
-    """lin(norm(x)) at a few rows (x [B, K]), with `glu` SiLU(gate) * up of its fused output, with `out_f32` float32."""
-    y = few_rows(lin, norm(x))
-    if glu:
-        return silu_mul(y)
-    return y.float() if out_f32 else y
-
-
-def linear_add(x: torch.Tensor, lin: nn.Module, residual: torch.Tensor) -> torch.Tensor:
-    return residual + few_rows(lin, x)
-
-
-@dataclass(frozen=True)
-class BatchKernels:
-    """Ops the batched step calls instead of their written-out torch form: the CUDA export's Triton ops
-    (export/kernels_batch.py, kernels_rows.py). The defaults: written out."""
-
-    # (q [B, H_kv, rep, D], keys, values, pos) -> y of q's shape, after the cache write; None: over the whole slot
-    attend: Callable | None = None
-    rms_linear: Callable = rms_linear  # (x [B, K], norm, lin, glu, out_f32) -> [B, N]
-    linear_add: Callable = linear_add  # (x [B, K], lin, residual [B, N]) -> [B, N]
-
-
 def slot_attention(
-    attn: Attention, qkv: torch.Tensor, cos, sin, pos: torch.Tensor, mask: torch.Tensor, kv: SlotKV, attend=None
+    attn: Attention, x: torch.Tensor, cos, sin, pos: torch.Tensor, mask: torch.Tensor, kv: SlotKV, attend=None
 ) -> torch.Tensor:
-    """Attention.forward for one token per row after its qkv projection, over each row's slot: qkv [B, (H + 2
-    H_kv) D], cos/sin [B, D], mask [B, S] -> o_proj's input [B, H D]. `attend`: BatchKernels.attend."""
+    """Attention.forward for one token per row, over each row's slot: x [B, 1, dim], cos/sin [B, D], mask [B, S].
+    `attend` (q [B, H_kv, rep, D], keys, values, pos -> y of q's shape): the kernel for the part after the cache
+    write (the CUDA export's Triton op, export/kernels_batch.py); else written out over the whole slot."""
     c = attn.c
     n_kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
     # Split into heads while the projection is contiguous, then into q, k, v, and fold the query heads after the
     # rope (a tensor of its own). Inductor's view of a strided slice with B in it (q, k, v cut first, then each
     # unflattened, or k[:, :, 0]) guards on B > 1 even when compiled size-obliviously; where B is at most 2
     # (--max-batch 2) that leaves B only 2, and the program would take exactly two rows.
-    qkv = qkv.unflatten(-1, (c.n_heads + 2 * n_kv, d))  # [B, H + 2 H_kv, D]
+    qkv = few_rows(attn.qkv_proj, x).unflatten(-1, (c.n_heads + 2 * n_kv, d))[:, 0]  # [B, H + 2 H_kv, D]
     q, k, v = qkv.split([c.n_heads, n_kv, n_kv], dim=1)  # [B, H(_kv), D]
     cos, sin = cos[:, None, :], sin[:, None, :]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -111,33 +86,30 @@ def slot_attention(
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * d**-0.5  # [B, H_kv, rep, S]
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         y = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, rep, D]
-    return y.flatten(1)  # heads in order j*rep + r: [B, n_heads * D]
+    return few_rows(attn.o_proj, y.flatten(1).unsqueeze(1))  # heads in order j*rep + r: [B, 1, n_heads * D]
 
 
 class BatchDecoder(nn.Module):
     """embeds [B, 1, dim], cache_position [B] int64 -> logits [B, vocab] float32; writes slot b at its position.
     `state` is the slot cache it reads and writes (another set of slots over the same weights: the exporter
-    traces one of `--max-batch` slots, the eager self-check keeps a smaller one); `kernels`, the ops it calls."""
+    traces one of `--max-batch` slots, the eager self-check keeps a smaller one); `attend`, slot_attention's."""
 
-    def __init__(self, c: TextConfig, lm: LanguageModel, state: SlotCaches, kernels: BatchKernels = BatchKernels()):
+    def __init__(self, c: TextConfig, lm: LanguageModel, state: SlotCaches, attend=None):
         super().__init__()
-        self.c, self.kernels = c, kernels
+        self.c, self.attend = c, attend
         self.layers, self.norm, self.lm_head = lm.model.layers, lm.model.norm, lm.lm_head
         # named `batch`: the slot caches' FQNs are the batch-1 caches' under runner.bundle.BATCH_STATE_PREFIX
         # (batch.layers.i.self_attn.kv_cache.k_cache), by which the runtime pairs them
         self.batch = state
 
     def forward(self, embeds: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        ops = self.kernels
         max_seq = self.batch.kv(0).k_cache.shape[2]
         mask = torch.arange(max_seq, device=embeds.device)[None, :] <= cache_position[:, None]  # [B, S]
         cos, sin = rope(cache_position, self.c.head_dim, self.c.rope_theta, embeds.dtype)  # [B, D]
-        x = embeds[:, 0]  # [B, dim]: one token a row
+        x = embeds
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = ops.rms_linear(x, layer.input_layernorm, attn.qkv_proj)
-            y = slot_attention(attn, qkv, cos, sin, cache_position, mask, self.batch.kv(i), ops.attend)
-            x = ops.linear_add(y, attn.o_proj, x)
-            h = ops.rms_linear(x, layer.post_attention_layernorm, mlp.gate_up_proj, glu=True)
-            x = ops.linear_add(h, mlp.down_proj, x)  # MLP.forward, its linears at a few rows
-        return ops.rms_linear(x, self.norm, self.lm_head, out_f32=True)
+            h = layer.input_layernorm(x)
+            x = x + slot_attention(layer.self_attn, h, cos, sin, cache_position, mask, self.batch.kv(i), self.attend)
+            gate_up = few_rows(layer.mlp.gate_up_proj, layer.post_attention_layernorm(x))
+            x = x + few_rows(layer.mlp.down_proj, silu_mul(gate_up))  # MLP.forward, its linears at a few rows
+        return few_rows(self.lm_head, self.norm(x[:, -1, :])).float()

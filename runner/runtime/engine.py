@@ -277,9 +277,7 @@ class ProgramEngine(Engine):
             raise GenerationError(f"{self.program.bundle_dir}: no text_decoder_batch (export with --max-batch N)")
         if self.use_cuda_graph:
             if self.batch_graphs is None:  # captured at the first batched step; see BatchGraphs on why that is safe
-                self.batch_graphs = BatchGraphs(
-                    self.batch_step, self.device, self.max_batch, self.max_seq_len - 1, overlap=self.pdl
-                )
+                self.batch_graphs = BatchGraphs(self.batch_step, self.device, self.max_batch, self.max_seq_len - 1)
             return self.batch_graphs.step(tokens, pos)
         return self.batch_step(tokens, pos, graph_safe=False)
 

@@ -98,14 +98,14 @@ class BatchGraphs:
     contract), decoded at position 0: the cheapest for an attention that reads a row's own positions, and harmless,
     as admitting a prompt rewrites a slot from position 0. Capturing runs real steps (the warm-ups) over every row,
     so it may happen while sequences are in flight: it runs them at `park`, the context's last position, which a
-    sequence writes before it attends to it. `overlap`: as DecodeGraph's."""
+    sequence writes before it attends to it."""
 
-    def __init__(self, step: Step, device: str, max_batch: int, park: int, overlap: bool = False):
+    def __init__(self, step: Step, device: str, max_batch: int, park: int):
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for b in batch_sizes(max_batch):
             token = torch.zeros(b, 1, dtype=torch.int64, device=device)
             pos = torch.full((b,), park, dtype=torch.int64, device=device)
-            c = capture_graph(lambda token=token, pos=pos: step(token, pos), device, overlap)
+            c = capture_graph(lambda token=token, pos=pos: step(token, pos), device)
             self.graphs[b] = (c.graph, token, pos, c.out)
         log.info("captured the batched decode step for batches of %s", ", ".join(map(str, self.graphs)))
 

@@ -3,10 +3,9 @@
 In a graph captured from a stream, every kernel waits for the one before it to finish and flush before its first
 block starts: each of the decode step's kernels pays a launch, a ramp to full bandwidth and a tail. Hopper can
 start a kernel early, while its predecessor's last blocks run, if the edge between them is *programmatic*; the
-kernel then waits (`griddepcontrol.wait`) at the point it first reads its predecessor's output. The decode kernels
-of `text_decoder_step` (runner/export/kernels.py, kernels_attention.py) and the linears of `text_decoder_batch`
-(kernels_rows.py) load their weights first and wait after, but AOTInductor launches them with plain
-`cuLaunchKernel`, so a capture records only full edges. This module rewrites those edges in the captured graph, before it is instantiated: an edge becomes
+kernel then waits (`griddepcontrol.wait`) at the point it first reads its predecessor's output. The decode kernels of `text_decoder_step` (runner/export/kernels.py, kernels_attention.py) load
+their weights first and wait after, but AOTInductor launches them with plain `cuLaunchKernel`, so a capture records
+only full edges. This module rewrites those edges in the captured graph, before it is instantiated: an edge becomes
 programmatic only where both ends are kernels and the later one is one of ours (it waits before reading); every
 other edge keeps full completion. Uses the CUDA driver API (12.3+: edge data, cuFuncGetName) through ctypes.
 """
@@ -17,7 +16,7 @@ import ctypes
 
 # Kernels that execute griddepcontrol.wait before reading anything their predecessor wrote (AOTInductor names a
 # call site's kernel by its Triton name, sometimes with a suffix).
-WAITING_KERNELS = ("_gemv_kernel", "_attention_kernel", "_rows_kernel")
+WAITING_KERNELS = ("_gemv_kernel", "_attention_kernel")
 
 _KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, and CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC

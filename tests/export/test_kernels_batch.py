@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from runner.export import kernels_batch as KB  # noqa: E402
 from runner.models.voxtral import Voxtral  # noqa: E402
-from runner.models.voxtral_batch import BatchDecoder, BatchKernels, SlotCaches  # noqa: E402
+from runner.models.voxtral_batch import BatchDecoder, SlotCaches  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def test_tiny_batched_step_through_the_op_matches_the_written_out_step():
     results = []
     for attend in (KB.attend, None):
         slots = SlotCaches(cfg.text, 4, 48, DOT_DTYPE, DEV)
-        step = BatchDecoder(cfg.text, m.language_model, slots, BatchKernels(attend=attend))
+        step = BatchDecoder(cfg.text, m.language_model, slots, attend=attend)
         g.manual_seed(1)
         logits = []
         for start in (0, 9, 20, 31):

@@ -28,6 +28,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from profile_decode import graph_ms
 
 from runner.export import kernels as K
 from runner.export import kernels_int4 as KI
@@ -37,22 +38,8 @@ from runner.export.registry import for_preset
 from runner.models.quant_linear import QuantLinear, dequantize
 from runner.models.voxtral import Voxtral, rope
 from runner.models.voxtral_config import preset
-from runner.runtime.graphs import capture_graph
 
 DEV, BF16 = "cuda", torch.bfloat16
-
-
-def graph_ms(fn, replays: int = 30, overlap: bool = False) -> float:
-    g = capture_graph(fn, DEV, overlap).graph
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def build(max_seq: int) -> tuple[Voxtral, Voxtral]:

@@ -45,10 +45,15 @@ def graph_ms(fn, replays: int = 50, overlap: bool = False) -> float:
     g = capture_graph(fn, "cuda", overlap).graph
     g.replay()
     torch.cuda.synchronize()
+    return replay_ms(g, replays)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
+    """GPU time per replay of a captured graph, replayed back to back."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        g.replay()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
@@ -168,16 +173,6 @@ def profile_prefill(engine: ProgramEngine, chunks: int, acts) -> None:
             torch.cuda.synchronize()
         what = f"{chunks} chunk(s)" if name == "audio_encoder" else f"a prefill of {embeds.shape[1]} tokens"
         kernel_table(prof, 1, f"{name}, {what}, direct call", 30)
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 100) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def profile_batches(engine: ProgramEngine, batches: list[int], steps: int, acts) -> None:

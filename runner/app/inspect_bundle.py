@@ -53,7 +53,9 @@ def render_manifest(manifest, bundle: Path, verified: bool) -> None:
         console.print(prefill_line(m), highlight=False)
     console.print(quant_line(m.get("quant")), highlight=False)
     for name, why in (m.get("fallbacks") or {}).items():  # export compiled a plan's fallback (pipeline.build_bundle)
-        console.print(f"{name}: its fallback was compiled (the first did not compile: {why})", highlight=False)
+        first = why.removeprefix("self-check: ") if why.startswith("self-check: ") else None
+        failed = f"the first differed from eager: {first}" if first else f"the first did not compile: {why}"
+        console.print(f"{name}: its fallback was compiled ({failed})", highlight=False)
     console.print("special tokens: " + ", ".join(f"{k}={v}" for k, v in m["special_tokens"].items()))
     console.print(_methods_table(manifest))
     console.print(_files_table(manifest, verified))

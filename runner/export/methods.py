@@ -62,6 +62,9 @@ class MethodPlan:
     # compiled instead when this plan's compile fails (a hand-written kernel an older torch cannot compile): the
     # same method, spec and weights; the manifest's `model.fallbacks` names the method and why
     fallback: MethodPlan | None = None
+    # the fallback serves a failed self-check too, not only a failed compile: for a plan whose check at the dtype's
+    # tolerance can measure rounding's chaos rather than the compile (the fp8 prefill's e4m3 activations)
+    fallback_on_mismatch: bool = False
     # compiled as it was traced, size-obliviously (a batch dim of 1..max, traced with 2 rows): Inductor's re-trace
     # otherwise takes the example's 2 as B >= 2, and where max is 2 compiles for exactly 2 rows
     size_oblivious: bool = False

@@ -19,7 +19,7 @@ import tempfile
 import time
 import warnings
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,14 +29,22 @@ from torch import nn
 
 from runner import __version__
 from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
-from runner.bundle import FORMAT_VERSION, Manifest, file_entries, read_manifest, verify_bundle, write_manifest
+from runner.bundle import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    file_entries,
+    read_manifest,
+    verify_bundle,
+    write_manifest,
+)
 from runner.digests import DigestCache, default_cache_dir, sha256_file
 from runner.errors import BundleError, Cancellation, ExportError
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
 from runner.export.methods import COMPILE_ALLOWANCE, MethodPlan, bytes_needed, dtype_name, method_weights
 from runner.export.registry import ExportFamily, taking
-from runner.export.self_check import check_bundle
+from runner.export.self_check import Mismatch, check_bundle
 from runner.publish import (
     DEBUG_NAME,
     DEBUG_RECORD,
@@ -320,10 +328,7 @@ def build_bundle(
         if opts.check:
             if progress:
                 progress("all", "checking against eager")
-            dtype = DTYPES[opts.dtype]
-            methods.report.max_error = check_bundle(
-                stage, methods.plans, model, dtype, opts.device, opts.cache_dir, progress
-            )
+            methods.report.max_error = methods.check(stage, meta, inputs)
         kept = publish(stage, out, cancel=opts.cancel, merge=opts.force)  # checks for a stop right before
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)
@@ -372,7 +377,7 @@ class MethodCompiler:
     def fetch_or_compile(self, plan: MethodPlan, stage: Path, debug_dir: Path | None) -> bool:
         """The method's `.so` into the stage, from the compile cache or compiled (then cached): whether cached."""
         key = self.key(plan)  # a fallback has its own key, under the same method name
-        so = stage / f"{plan.name}.so"
+        so = stage / plan.spec.library
         sources = debug_dir / plan.name if debug_dir is not None else None  # a debug compile's, kept cached too
         if self.cache.fetch(key, plan.name, so, sources):
             return True
@@ -385,6 +390,33 @@ class MethodCompiler:
             plan.release()
         self.cache.store(key, plan.name, so, sources)
         return False
+
+    def check(self, stage: Path, meta: dict, inputs: str) -> dict[str, float]:
+        """check_bundle on the stage. Where a plan that may fall back on a mismatch (`fallback_on_mismatch`) differs
+        from eager, its fallback is compiled into the stage, the manifest written again and every method checked
+        again; any other mismatch fails the export."""
+        while True:
+            try:
+                dtype, device = DTYPES[self.opts.dtype], self.opts.device
+                return check_bundle(stage, self.plans, self.model, dtype, device, self.opts.cache_dir, self.progress)
+            except Mismatch as e:
+                i = next(i for i, p in enumerate(self.plans) if p.name == e.method)
+                plan = self.plans[i]
+                moved = any(p.device.type != torch.device(device).type for p in self.model.parameters())
+                if not plan.fallback_on_mismatch or plan.fallback is None or moved or self.opts.cancel.requested:
+                    raise  # the eager model moved to the host (make_room) cannot trace a device fallback
+                log.warning("%s; compiling its fallback", e)
+                if self.progress:
+                    self.progress(plan.name, "differs from eager; compiling the fallback")
+                self.report.fallbacks[plan.name] = f"self-check: {str(e).split(': ', 2)[-1]}"
+                # a library of its own name: the checked one stays mapped in this process under the old name
+                # (glibc hands back a loaded library by path; writing over it would rewrite mapped code)
+                fallback = replace(plan.fallback, spec=replace(plan.fallback.spec, library=f"{plan.name}.fallback.so"))
+                (stage / plan.spec.library).unlink()
+                self.plans[i] = fallback
+                self.report.cached[plan.name] = self.fetch_or_compile(fallback, stage, None)
+                (stage / MANIFEST_NAME).unlink()  # the manifest lists the stage's files: not its old self
+                write_manifest(stage, bundle_manifest(stage, meta, inputs, self, self.progress))
 
     def fallback_for(self, plan: MethodPlan, e: Exception, stage: Path, out: Path) -> MethodPlan:
         """The plan to compile after `plan`'s compile raised `e`, or `e` again: a full disk, no fallback, or a

@@ -32,6 +32,14 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1}
 LOAD_HEADROOM = 4 << 30
 
 
+class Mismatch(ExportError):
+    """A compiled method's output differs from eager's past the tolerance."""
+
+    def __init__(self, method: str, message: str):
+        super().__init__(message)
+        self.method = method
+
+
 def check_bundle(
     stage: Path,
     plans: list[MethodPlan],
@@ -41,7 +49,7 @@ def check_bundle(
     cache_dir: Path,
     progress=None,
 ) -> dict[str, float]:
-    """Each method's largest relative error against eager (ExportError past TOLERANCE[dtype]); `progress(what,
+    """Each method's largest relative error against eager (Mismatch past TOLERANCE[dtype]); `progress(what,
     message)` hears of the eager model's move to the host (tens of seconds for the 24B's 48.5 GB)."""
     wants = eager_outputs(plans, model)
     make_room(model, stage, device, progress)
@@ -93,10 +101,11 @@ def compare(program: Program, plan: MethodPlan, wants: list[torch.Tensor], dtype
                 err = relative_error(plan.name, got, w)
                 worst = max(worst, err)
                 if not err <= TOLERANCE[dtype]:
-                    raise ExportError(
+                    raise Mismatch(
+                        plan.name,
                         f"{plan.name}: exported output differs from eager: max relative error "
                         f"{err:.3g} > {TOLERANCE[dtype]:g} for input shapes "
-                        f"{[list(x.shape) for x in inputs]}"
+                        f"{[list(x.shape) for x in inputs]}",
                     )
     return worst
 

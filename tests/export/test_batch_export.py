@@ -185,3 +185,47 @@ def test_a_stop_requested_before_an_export_publishes_nothing(tiny_checkpoint, tm
     with pytest.raises(Terminated):
         export_cached(tiny_checkpoint, tmp_path / "stopped", max_audio_chunks=1, max_seq_len=512, cancel=cancel)
     assert not (tmp_path / "stopped").exists() and not list(tmp_path.glob(".stopped*"))
+
+
+class Doubled(torch.nn.Module):
+    """An eager reference the compiled method cannot match: its module's logits, doubled."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args) * 2
+
+
+def test_a_plan_that_may_fall_back_on_a_mismatch_does_and_no_other(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """A plan marked `fallback_on_mismatch` (the fp8 prefill through `_scaled_mm`) whose compiled output differs from
+    its reference: its fallback is compiled in its place, the whole bundle checked again and published, the
+    manifest's `model.fallbacks` and inspect say it was the self-check, and the bundle runs. The same mismatch on
+    a plan without the mark fails the export, and nothing is published."""
+    from conftest import export_cached
+
+    from runner.errors import ExportError
+    from runner.export import voxtral as vx
+
+    original = vx.prefill_plan
+
+    def mismatching(model, opts, *args):
+        plan = original(model, opts, *args)
+        bad = replace(plan, reference=Doubled(plan.reference or plan.module), key_extra={"test": "mismatch"})
+        return replace(bad, fallback=replace(plan), fallback_on_mismatch=True)
+
+    monkeypatch.setattr(vx, "prefill_plan", mismatching)
+    out = export_cached(tiny_checkpoint, tmp_path / "fb", max_audio_chunks=1, max_seq_len=512)
+    why = read_manifest(out).model["fallbacks"]["text_decoder"]
+    assert why.startswith("self-check: max relative error ") and "> 0.0001" in why, why
+    assert main(["inspect", str(out), "--no-verify"]) == 0
+    assert "text_decoder: its fallback was compiled (the first differed from eager: max relative error" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    assert main(["run", "--bundle", str(out), "--audio", "fixtures/audio/speech.wav", "--max-new-tokens", "4"]) == 0
+
+    monkeypatch.setattr(vx, "prefill_plan", lambda *a: replace(mismatching(*a), fallback_on_mismatch=False))
+    with pytest.raises(ExportError, match="text_decoder: exported output differs from eager"):
+        export_cached(tiny_checkpoint, tmp_path / "none", max_audio_chunks=1, max_seq_len=512)
+    assert not (tmp_path / "none").exists()

@@ -395,9 +395,9 @@ class MethodCompiler:
         """check_bundle on the stage. Where a plan that may fall back on a mismatch (`fallback_on_mismatch`) differs
         from eager, its fallback is compiled into the stage, the manifest written again and every method checked
         again; any other mismatch fails the export."""
+        dtype, device = DTYPES[self.opts.dtype], self.opts.device
         while True:
             try:
-                dtype, device = DTYPES[self.opts.dtype], self.opts.device
                 return check_bundle(stage, self.plans, self.model, dtype, device, self.opts.cache_dir, self.progress)
             except Mismatch as e:
                 i = next(i for i, p in enumerate(self.plans) if p.name == e.method)
@@ -408,7 +408,7 @@ class MethodCompiler:
                 log.warning("%s; compiling its fallback", e)
                 if self.progress:
                     self.progress(plan.name, "differs from eager; compiling the fallback")
-                self.report.fallbacks[plan.name] = f"self-check: {str(e).split(': ', 2)[-1]}"
+                self.report.fallbacks[plan.name] = f"self-check: {e.detail}"
                 # a library of its own name: the checked one stays mapped in this process under the old name
                 # (glibc hands back a loaded library by path; writing over it would rewrite mapped code)
                 fallback = replace(plan.fallback, spec=replace(plan.fallback.spec, library=f"{plan.name}.fallback.so"))

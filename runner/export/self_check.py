@@ -33,11 +33,12 @@ LOAD_HEADROOM = 4 << 30
 
 
 class Mismatch(ExportError):
-    """A compiled method's output differs from eager's past the tolerance."""
+    """A compiled method's output differs from eager's past the tolerance: `method`, and `detail` (the error, the
+    tolerance, the input shapes)."""
 
-    def __init__(self, method: str, message: str):
-        super().__init__(message)
-        self.method = method
+    def __init__(self, method: str, detail: str):
+        super().__init__(f"{method}: exported output differs from eager: {detail}")
+        self.method, self.detail = method, detail
 
 
 def check_bundle(
@@ -101,12 +102,9 @@ def compare(program: Program, plan: MethodPlan, wants: list[torch.Tensor], dtype
                 err = relative_error(plan.name, got, w)
                 worst = max(worst, err)
                 if not err <= TOLERANCE[dtype]:
-                    raise Mismatch(
-                        plan.name,
-                        f"{plan.name}: exported output differs from eager: max relative error "
-                        f"{err:.3g} > {TOLERANCE[dtype]:g} for input shapes "
-                        f"{[list(x.shape) for x in inputs]}",
-                    )
+                    shapes = [list(x.shape) for x in inputs]
+                    detail = f"max relative error {err:.3g} > {TOLERANCE[dtype]:g} for input shapes {shapes}"
+                    raise Mismatch(plan.name, detail)
     return worst
 
 

@@ -180,8 +180,7 @@ def profile_batches(engine: ProgramEngine, batches: list[int], steps: int, acts)
     for b in batches:
         tokens = torch.zeros(b, 1, dtype=torch.int64, device="cuda")
         engine.decode_batch(tokens, torch.full((b,), 385, dtype=torch.int64, device="cuda"))
-        graphs = engine.batch_graphs.graphs
-        graph = graphs[next(size for size in graphs if size >= b)][0]
+        graph = engine.batch_graphs.graph_for(b)[0]
         print(f"## batched step, B = {b}: graph replays back to back: {replay_ms(graph):.3f} ms/step\n")
         with profile(activities=acts) as prof:
             for _ in range(steps):

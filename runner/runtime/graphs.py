@@ -109,9 +109,13 @@ class BatchGraphs:
             self.graphs[b] = (c.graph, token, pos, c.out)
         log.info("captured the batched decode step for batches of %s", ", ".join(map(str, self.graphs)))
 
+    def graph_for(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(graph, its token, position and logits tensors) of the smallest captured batch >= n."""
+        return self.graphs[next(b for b in self.graphs if b >= n)]
+
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
-        graph, token, position, logits = self.graphs[next(b for b in self.graphs if b >= n)]
+        graph, token, position, logits = self.graph_for(n)
         token[:n].copy_(tokens.view(n, 1))
         token[n:].zero_()
         position[:n].copy_(pos)

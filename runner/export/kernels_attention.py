@@ -109,6 +109,35 @@ def attend_positions(
 
 
 @triton.jit
+def merge_splits(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    first,
+    ROWS: tl.constexpr,
+    active,
+    SPLITS: tl.constexpr,
+    REP_P2: tl.constexpr,
+    D: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """The partial softmaxes of splits [first, first + active) merged -> [REP_P2, D] float32. Split i's partials
+    are rows (first + i) * ROWS + r of m/l [*] and acc [*, D]; the splits past `active` are not read (they wrote
+    nothing). CACHE: the loads' cache modifier."""
+    sp = tl.arange(0, SPLITS)
+    r = tl.arange(0, REP_P2)
+    d = tl.arange(0, D)
+    parts = (first + sp)[:, None] * ROWS + r[None, :]  # [SPLITS, REP_P2]
+    on = (sp < active)[:, None]
+    ms = tl.load(m_ptr + parts, mask=on, other=float("-inf"), cache_modifier=CACHE)
+    w = tl.exp(ms - tl.max(ms, axis=0)[None, :])  # an empty split (m = -inf) weighs nothing
+    total = tl.sum(tl.load(l_ptr + parts, mask=on, other=0.0, cache_modifier=CACHE) * w, axis=0)
+    accs = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], mask=on[:, :, None], other=0.0,
+                   cache_modifier=CACHE)  # fmt: skip
+    return tl.sum(accs * w[:, :, None], axis=0) / total[:, None]
+
+
+@triton.jit
 def _attention_kernel(
     qkv_ptr,
     cos_ptr,
@@ -193,16 +222,9 @@ def _attention_kernel(
         tl.debug_barrier()  # every thread's partials stored before the count says so
         if tl.atomic_add(count_ptr + count_offset + j, 1, sem="acq_rel") == active - 1:
             tl.store(count_ptr + count_offset + j, 0)  # the count back to zero: the buffer is ready for the next step
-            sp = tl.arange(0, SPLITS)
             r = tl.arange(0, REP_P2)  # the real query rows only (BLOCK_H pads them for tl.dot)
-            parts = (j * SPLITS + sp)[:, None] * BLOCK_H + r[None, :]  # [SPLITS, REP_P2]
-            on = (sp < active)[:, None]  # the inactive splits wrote nothing
-            ms = tl.load(m_ptr + parts, mask=on, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp(ms - tl.max(ms, axis=0)[None, :])  # an empty split (m = -inf) weighs nothing
-            total = tl.sum(tl.load(l_ptr + parts, mask=on, other=0.0, cache_modifier=".cg") * w, axis=0)
-            accs = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], mask=on[:, :, None], other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
-            o = tl.sum(accs * w[:, :, None], axis=0) / total[:, None]
+            # partials read back from L2 (.cg): other CTAs wrote them
+            o = merge_splits(m_ptr, l_ptr, acc_ptr, j * SPLITS, BLOCK_H, active, SPLITS, REP_P2, D, ".cg")
             out_rows = (j * REP + r)[:, None] * D + d[None, :]
             tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
 

@@ -1,10 +1,12 @@
-"""A Triton kernel for the attention of the batched decode step (`text_decoder_batch`), compiled into its `.so` by
+"""Triton kernels for the attention of the batched decode step (`text_decoder_batch`), compiled into its `.so` by
 AOTInductor: each row attends to its own slot's valid positions only.
 
 Why hand-written: the written-out attention of runner/models/voxtral_batch.py reads every slot's whole cache and
 makes a float32 score per position, valid or not: with many slots of a long context that is the whole slot cache
-read per step, where the rows' valid positions are a few hundred each. Here program (row b, KV head j, split s) reads positions [0, pos[b]] of slot b, its s-th slice, with the
-query heads of KV head j together (as the decode kernel does); the splits are merged by a few torch ops after it.
+read per step, where the rows' valid positions are a few hundred each. Here program (row b, KV head j, split s)
+reads positions [0, pos[b]] of slot b, its s-th slice, with the query heads of KV head j together (as the decode
+kernel does), and a second kernel merges each row's splits. Written as torch ops, the merge was four Inductor
+kernels that grew with the batch as fast as the attention itself (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from runner.export.kernels_attention import ATTN_BLOCK_T, attend_positions, attention_splits, split_range
+from runner.export.kernels_attention import active_splits, attend_positions, attention_splits, merge_splits, split_range
+
+# Positions per block: shorter than the batch-1 step's, as the slices of a few hundred positions are short
+# (benchmarks/NOTES.md has the sweep of splits x block length at the 3B's shapes).
+BATCH_BLOCK_T = 64
 
 
 @triton.jit
@@ -30,61 +36,80 @@ def _batch_attention_kernel(
     H_KV: tl.constexpr,
     SM_SCALE: tl.constexpr,
     REP: tl.constexpr,
+    REP_P2: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
     """Program (row b, KV head j, split s): row b's REP query heads of KV head j against its s-th slice of slot b's
-    positions [0, pos[b]]; the partial softmax (max, sum, weighted values) to m/l/acc. An empty slice leaves
-    m = -inf, l = 0, acc = 0, which the merge weighs as nothing. Query rows padded to BLOCK_H (>= 16) for tl.dot."""
+    positions [0, pos[b]]; the partial softmax (max, sum, weighted values) of its REP_P2 first query rows to
+    m/l/acc. A split past the row's active ones has no positions: it writes nothing, and the merge reads nothing
+    of it. Query rows padded to BLOCK_H (>= 16) for tl.dot, the padding repeating row REP - 1."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     s = tl.program_id(2)
     pos = tl.load(pos_ptr + b).to(tl.int32)
+    if s >= active_splits(pos, SPLITS, BLOCK_T):
+        return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
     head = b.to(tl.int64) * H_KV + j
-    q = tl.load(q_ptr + (head * REP + tl.minimum(h, REP - 1))[:, None] * D + d[None, :])  # pads repeat row REP-1
+    q = tl.load(q_ptr + (head * REP + tl.minimum(h, REP - 1))[:, None] * D + d[None, :])
     base = head * max_seq * D
     start, end = split_range(pos, s, SPLITS, BLOCK_T)
     m, denom, acc = attend_positions(q, k_ptr + base, v_ptr + base, start, end, BLOCK_H, D, BLOCK_T, SM_SCALE)
-    part = (head * SPLITS + s) * BLOCK_H + h
-    tl.store(m_ptr + part, m)
-    tl.store(l_ptr + part, denom)
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+    part = (head * SPLITS + s) * REP_P2 + h
+    kept = h < REP_P2
+    tl.store(m_ptr + part, m, mask=kept)
+    tl.store(l_ptr + part, denom, mask=kept)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=kept[:, None])
+
+
+@triton.jit
+def _batch_merge_kernel(
+    pos_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    H_KV: tl.constexpr,
+    REP: tl.constexpr,
+    REP_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """Program (row b, KV head j): the active splits' partials of row b's query heads of KV head j merged, its REP
+    real query rows written in the output's dtype."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    head = b.to(tl.int64) * H_KV + j
+    active = active_splits(pos, SPLITS, BLOCK_T)
+    o = merge_splits(m_ptr, l_ptr, acc_ptr, head * SPLITS, REP_P2, active, SPLITS, REP_P2, D, "")
+    r = tl.arange(0, REP_P2)
+    d = tl.arange(0, D)
+    rows = (head * REP + r)[:, None] * D + d[None, :]
+    tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=(r < REP)[:, None])
 
 
 def _launch_batch(q, keys, values, pos, splits=None, block_t=None):
     b, n_kv, rep, d = q.shape
     max_seq = keys.shape[2]
-    splits, block_t = splits or attention_splits(max_seq), block_t or ATTN_BLOCK_T
-    block_h = max(16, triton.next_power_of_2(rep))
-    m = torch.empty(b, n_kv, splits, block_h, dtype=torch.float32, device=q.device)
+    splits, block_t = splits or attention_splits(max_seq), block_t or BATCH_BLOCK_T
+    rep_p2 = triton.next_power_of_2(rep)
+    block_h = max(16, rep_p2)
+    m = torch.empty(b, n_kv, splits, rep_p2, dtype=torch.float32, device=q.device)
     denom = torch.empty_like(m)
-    acc = torch.empty(b, n_kv, splits, block_h, d, dtype=torch.float32, device=q.device)
+    acc = torch.empty(b, n_kv, splits, rep_p2, d, dtype=torch.float32, device=q.device)
+    shape = dict(H_KV=n_kv, REP=rep, REP_P2=rep_p2, D=d, BLOCK_T=block_t, SPLITS=splits)
     wrap_triton(_batch_attention_kernel)[(b, n_kv, splits)](
-        q,
-        keys,
-        values,
-        pos,
-        m,
-        denom,
-        acc,
-        max_seq,
-        H_KV=n_kv,
-        SM_SCALE=d**-0.5,
-        REP=rep,
-        D=d,
-        BLOCK_H=block_h,
-        BLOCK_T=block_t,
-        SPLITS=splits,
-        num_warps=4,
+        q, keys, values, pos, m, denom, acc, max_seq, SM_SCALE=d**-0.5, BLOCK_H=block_h, num_warps=4, **shape
     )
-    # the splits merged: split 0 always holds position 0, so the largest max is finite
-    w = torch.exp(m - m.amax(dim=2, keepdim=True))  # [B, H_kv, SPLITS, BLOCK_H]; an empty split weighs 0
-    y = (acc * w[..., None]).sum(dim=2) / (denom * w).sum(dim=2)[..., None]  # [B, H_kv, BLOCK_H, D]
-    return y[:, :, :rep].to(q.dtype)
+    out = torch.empty_like(q)
+    wrap_triton(_batch_merge_kernel)[(b, n_kv)](pos, m, denom, acc, out, num_warps=4, **shape)
+    return out
 
 
 @triton_op("voxtral::batch_attention", mutates_args={})

@@ -1,6 +1,7 @@
-"""The batched decode step's attention kernel (runner/export/kernels_batch.py) against the written-out attention:
-rows at their own positions in their own slots, splits (empty ones included), grouped query heads, nothing read
-past a row's position; and the tiny model's batched step through it against the written-out step. On a GPU the
+"""The batched decode step's attention and merge kernels (runner/export/kernels_batch.py) against the written-out
+attention: rows at their own positions in their own slots, splits (empty ones included, their partials never
+read), grouped query heads, nothing read past a row's position; and the tiny model's batched step through them
+against the written-out step. On a GPU the
 kernel is compiled; without one, Triton's interpreter runs it (float16: it computes tl.dot on bfloat16 wrongly)."""
 
 from __future__ import annotations
@@ -27,10 +28,22 @@ def reference(q, keys, values, pos):
     return out
 
 
+def nan_filled(monkeypatch):
+    """torch.empty / empty_like give NaN-filled floats: a partial the merge reads but no program wrote shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+
+
 @pytest.mark.parametrize("positions", [[0], [5], [0, 17, 63], [40, 1, 33, 63]])
-@pytest.mark.parametrize("rep", [1, 4])
-@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (16, 16), (2, 32)])
-def test_batch_attention_matches_the_rows_own_positions(positions, rep, splits, block_t):
+@pytest.mark.parametrize("rep", [1, 3, 4])
+@pytest.mark.parametrize("splits,block_t", [(1, 16), (4, 16), (16, 16), (2, 32), (4, 64)])
+def test_batch_attention_matches_the_rows_own_positions(positions, rep, splits, block_t, monkeypatch):
+    nan_filled(monkeypatch)
     g = torch.Generator().manual_seed(len(positions) * 100 + rep)
     b, kv, d, slots, max_seq = len(positions), 2, 16, 6, 64
     q = torch.randn(b, kv, rep, d, generator=g).to(DEV, DOT_DTYPE)
@@ -73,26 +86,36 @@ COMPILE = r"""
 from runner.export import kernels_batch as KB
 
 out = {}
+z = lambda n, dt=torch.bfloat16: torch.zeros(n, dtype=dt)
 for splits in (4, 16):  # the 1024 bundle's and the 10-minute bundle's
-    consts = dict(H_KV=8, SM_SCALE=128**-0.5, REP=4, D=128, BLOCK_H=16, BLOCK_T=128, SPLITS=splits)
-    sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr"), "*bf16"), "pos_ptr": "*i64",
-           **dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"), "max_seq": "i32", **dict.fromkeys(consts, "constexpr")}
-    k = triton.compile(ASTSource(KB._batch_attention_kernel, sig, consts), target=H200, options={"num_warps": 4})
-    z = lambda n, dt=torch.bfloat16: torch.zeros(n, dtype=dt)
-    kw = dict(q_ptr=z(2 * 8 * 4 * 128), k_ptr=z(2 * 8 * 64 * 128), v_ptr=z(2 * 8 * 64 * 128),
-              pos_ptr=z(2, torch.int64), m_ptr=z(2 * 8 * splits * 16, torch.float32),
-              l_ptr=z(2 * 8 * splits * 16, torch.float32), acc_ptr=z(2 * 8 * splits * 16 * 128, torch.float32),
-              max_seq=64, **consts)
-    w = written(KB._batch_attention_kernel, kw)
-    out[splits] = {"shared": k.metadata.shared, "local": ".local" in k.asm["ptx"], "writes": w}
+    shape = dict(H_KV=8, REP=4, REP_P2=4, D=128, BLOCK_T=KB.BATCH_BLOCK_T, SPLITS=splits)
+    parts = dict(pos_ptr=z(2, torch.int64), m_ptr=z(2 * 8 * splits * 4, torch.float32),
+                 l_ptr=z(2 * 8 * splits * 4, torch.float32), acc_ptr=z(2 * 8 * splits * 4 * 128, torch.float32))
+    kernels = {
+        "attention": (KB._batch_attention_kernel, dict(SM_SCALE=128**-0.5, BLOCK_H=16),
+                      dict(q_ptr=z(2 * 8 * 4 * 128), k_ptr=z(2 * 8 * 64 * 128), v_ptr=z(2 * 8 * 64 * 128), max_seq=64)),
+        "merge": (KB._batch_merge_kernel, {}, dict(out_ptr=z(2 * 8 * 4 * 128))),
+    }
+    for name, (kernel, consts, tensors) in kernels.items():
+        consts = {**shape, **consts}
+        kw = {**parts, **tensors, **consts}
+        sig = {a: ("constexpr" if a in consts else "i32" if a == "max_seq" else
+                   "*" + {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64"}[kw[a].dtype])
+               for a in kernel.arg_names}
+        k = triton.compile(ASTSource(kernel, sig, consts), target=H200, options={"num_warps": 4})
+        out[f"{name}{splits}"] = {"shared": k.metadata.shared, "local": ".local" in k.asm["ptx"],
+                                  "writes": written(kernel, kw)}
 print(json.dumps(out))
 """
 
 
-def test_the_3b_tile_compiles_for_the_h200_and_writes_only_its_partials():
-    """Compiled for sm_90 here (no GPU needed) at the 3B's shapes with 4 and 16 splits: no spills to local memory;
-    AOTInductor's analysis finds it writes its partials alone, never the slot caches it reads."""
+def test_the_3b_tiles_compile_for_the_h200_and_write_only_their_outputs():
+    """Both kernels compiled for sm_90 here (no GPU needed) at the 3B's shapes with 4 and 16 splits: no spills to
+    local memory; AOTInductor's analysis finds the attention writing its partials alone, never the slot caches it
+    reads, and the merge writing the output alone."""
     got = on_h200_target(COMPILE)
     for splits in ("4", "16"):
-        assert got[splits]["writes"] == ["acc_ptr", "l_ptr", "m_ptr"]
-        assert not got[splits]["local"] and got[splits]["shared"] <= 227 * 1024
+        assert got["attention" + splits]["writes"] == ["acc_ptr", "l_ptr", "m_ptr"]
+        assert got["merge" + splits]["writes"] == ["out_ptr"]
+        for kernel in ("attention", "merge"):
+            assert not got[kernel + splits]["local"] and got[kernel + splits]["shared"] <= 227 * 1024

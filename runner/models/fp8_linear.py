@@ -16,7 +16,7 @@ largest magnitude maps to 448, e4m3's largest value; round to nearest.
   activations quantised per token at run time (dynamic, as an FP8-dynamic checkpoint's own `input_activations`
   say) and multiplied on the fp8 tensor cores, both scales applied in the epilogue (`_scaled_mm`'s row-wise
   scaling, which gives bf16: hence `--quant fp8` needs bf16). It differs from the dequantised matmul by the
-  activations' rounding to e4m3.
+  activations' rounding to e4m3. Its fallback, export/kernels_fp8.py's GEMM over the codes, rounds no activation.
 """
 
 from __future__ import annotations
@@ -132,17 +132,22 @@ def scaled_mm_serves(device: str, module: nn.Module, capability: tuple[int, int]
 
 
 @contextlib.contextmanager
-def scaled_prefill(module: nn.Module) -> Iterator[None]:
-    """`module`'s fp8 layers through `scaled_mm` for the duration (the CUDA prefill's trace); the eager model, which
-    the self-check and the reference run, keeps the dequantised matmul."""
+def matmul_through(module: nn.Module, matmul) -> Iterator[None]:
+    """`module`'s fp8 layers through `matmul` ((Fp8Linear, x) -> y) for the duration (a CUDA prefill's trace); the
+    eager model, which the self-check and the reference run, keeps the dequantised matmul."""
     layers = fp8_layers(module)
     for m in layers:
-        m.matmul = scaled_mm
+        m.matmul = matmul
     try:
         yield
     finally:
         for m in layers:
             m.matmul = None
+
+
+def scaled_prefill(module: nn.Module):
+    """`module`'s fp8 layers through `scaled_mm` for the duration."""
+    return matmul_through(module, scaled_mm)
 
 
 def check_layout(record: dict) -> None:

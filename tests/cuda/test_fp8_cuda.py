@@ -40,6 +40,24 @@ def test_scaled_mm_is_the_matmul_of_the_e4m3_operands(m, n, k):
     assert ((got[0].double() - plain).abs().max() / plain.abs().max()).item() < 8e-2
 
 
+@pytest.mark.parametrize("m", [1, 385])
+@pytest.mark.parametrize("n,k", [(5120, 3072), (3072, 8192), (16384, 3072), (131072, 3072)])
+def test_fp8_mm_is_the_product_with_the_scaled_codes_at_the_3b_sizes(m, n, k):
+    """export/kernels_fp8.py's GEMM compiled for this GPU: against float64 over the same codes, and within bf16's
+    rounding of the dequantised matmul (it rounds no activation, unlike scaled_mm above)."""
+    from runner.export import kernels_fp8
+
+    torch.manual_seed(0)
+    lin = Fp8Linear.from_linear(nn.Linear(k, n, bias=False).to("cuda", torch.bfloat16))
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    got = kernels_fp8.fp8_mm(x, lin.qweight, lin.weight_scale)
+    want = x.double() @ lin.dequantize(torch.float64).T
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+    plain = lin(x).double()
+    assert ((got.double() - plain).abs().max() / plain.abs().max()).item() < 1e-2
+
+
 def test_a_tiny_fp8_bundle_exports_its_prompt_through_scaled_mm_and_transcribes(tiny_checkpoint, tmp_path_factory):
     bundle = export_cached(
         tiny_checkpoint,

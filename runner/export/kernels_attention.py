@@ -5,8 +5,8 @@
     splits merged in the kernel;
   - `rope_table`: cos and sin of the step's position, once per step.
 
-The batched step's attention (kernels_batch.py) walks the positions with the same `split_range` and
-`attend_positions`. Registered with `torch.library.triton_op`, as kernels.py's GEMVs.
+The batched step's attention (kernels_batch.py) runs the same `attend_step` for each row and merges the splits with
+the same `merge_splits`. Registered with `torch.library.triton_op`, as kernels.py's GEMVs.
 """
 
 from __future__ import annotations
@@ -109,6 +109,61 @@ def attend_positions(
 
 
 @triton.jit
+def attend_step(
+    qkv_ptr,
+    cos,
+    sin,
+    k_ptr,
+    v_ptr,
+    base,
+    pos,
+    s,
+    j,
+    H: tl.constexpr,
+    H_KV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SM_SCALE: tl.constexpr,
+):
+    """One token's attention for KV head j over split s's slice of positions [0, pos] -> the partial softmax (max,
+    sum, weighted values) of its BLOCK_H query rows (the REP heads of KV head j, padding rows repeating row REP - 1).
+
+    qkv_ptr: the token's q, k, v rows [(H + 2 H_KV), D] as the qkv projection wrote them (no RoPE yet); cos/sin
+    [D] float32 of its position; k_ptr/v_ptr + base: KV head j's cache [max_seq, D]. RoPE on the query rows and
+    the new key here; the new position comes from registers, not from the cache: every program computes the new
+    key and value itself, split 0 writes them to the cache at `pos`, and no program reads that slot, so none
+    waits for the write."""
+    REP: tl.constexpr = H // H_KV
+    HALF: tl.constexpr = D // 2
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    one = tl.arange(0, 1)
+    q = _rope_rows(qkv_ptr, j * REP + tl.minimum(h, REP - 1), d, cos, sin, HALF)
+    k_new = _rope_rows(qkv_ptr, H + j + one, d, cos, sin, HALF)  # [1, D]
+    v_new = tl.load(qkv_ptr + (H + H_KV + j + one)[:, None] * D + d[None, :])
+    if s == 0:
+        tl.store(k_ptr + base + pos * D + d[None, :], k_new)
+        tl.store(v_ptr + base + pos * D + d[None, :], v_new)
+    # this split's slice of positions [0, pos]: cached ones [start, min(end, pos)), the new one if end > pos
+    start, end = split_range(pos, s, SPLITS, BLOCK_T)
+    m, denom, acc = attend_positions(
+        q, k_ptr + base, v_ptr + base, start, tl.minimum(end, pos), BLOCK_H, D, BLOCK_T, SM_SCALE
+    )
+    if (start <= pos) & (pos < end):
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * SM_SCALE  # [BLOCK_H]
+        m_new = tl.maximum(m, score)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(score - m_new)
+        denom = denom * alpha + p
+        # p rounded as tl.dot's bf16 operand rounds it for the cached positions
+        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
+        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
 def merge_splits(
     m_ptr,
     l_ptr,
@@ -162,18 +217,15 @@ def _attention_kernel(
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (kv head j, split s) of one decode step: RoPE on the REP query heads of KV head j and on its new
-    key (read raw from the qkv GEMV's output), then attention over positions [0, pos], the s-th of SPLITS slices.
+    """Program (kv head j, split s) of one decode step: `attend_step` (RoPE on the REP query heads of KV head j and
+    on its new key, read raw from the qkv GEMV's output, then attention over the s-th of SPLITS slices of [0, pos]).
 
-    - The new position comes from registers, not from the cache: every program computes the new key and value
-      itself, split 0 writes them to the cache, and no program reads that slot, so none waits for the write.
     - The splits are merged by whichever finishes last (a per-head counter, zero on entry and reset to zero by
       the last): partials go to m/l/acc, a CTA barrier, then an acq_rel atomic; the last reads the partials back
       from L2 (.cg). No combine kernel, so no second launch on attention's latency path.
     - With PDL it waits for the qkv GEMV only before reading qkv (see `_gemv_kernel`)
     Query rows are padded to BLOCK_H (>= 16) for tl.dot."""
     REP: tl.constexpr = H // H_KV
-    HALF: tl.constexpr = D // 2
     j = tl.program_id(0)
     s = tl.program_id(1)
     pos = tl.load(pos_ptr).to(tl.int32)
@@ -187,29 +239,10 @@ def _attention_kernel(
     sin = tl.load(sin_ptr + d).to(tl.float32)
     if PDL:  # qkv is the kernel before's output; pos, cos/sin and the counters were written before that one ran
         qkv_ptr += tl.multiple_of(after_predecessor(j), 16)
-    q = _rope_rows(qkv_ptr, j * REP + tl.minimum(h, REP - 1), d, cos, sin, HALF)  # padding rows repeat row REP-1
-    one = tl.arange(0, 1)
-    k_new = _rope_rows(qkv_ptr, H + j + one, d, cos, sin, HALF)  # [1, D]
-    v_new = tl.load(qkv_ptr + (H + H_KV + j + one)[:, None] * D + d[None, :])
-    base = j.to(tl.int64) * max_seq * D
-    if s == 0:
-        tl.store(k_ptr + base + pos * D + d[None, :], k_new)
-        tl.store(v_ptr + base + pos * D + d[None, :], v_new)
-
-    # this split's slice of positions [0, pos]: cached ones [start, min(end, pos)), the new one if end > pos
-    start, end = split_range(pos, s, SPLITS, BLOCK_T)
-    m, denom, acc = attend_positions(
-        q, k_ptr + base, v_ptr + base, start, tl.minimum(end, pos), BLOCK_H, D, BLOCK_T, SM_SCALE
-    )
-    if (start <= pos) & (pos < end):
-        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * SM_SCALE  # [BLOCK_H]
-        m_new = tl.maximum(m, score)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(score - m_new)
-        denom = denom * alpha + p
-        # p rounded as tl.dot's bf16 operand rounds it for the cached positions
-        acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)
-        m = m_new
+    m, denom, acc = attend_step(
+        qkv_ptr, cos, sin, k_ptr, v_ptr, j.to(tl.int64) * max_seq * D, pos, s, j,
+        H, H_KV, D, BLOCK_H, BLOCK_T, SPLITS, SM_SCALE,
+    )  # fmt: skip
 
     if active == 1:  # one split holds every position (always so with SPLITS 1): no partials, no merge
         rows = (j * REP + h)[:, None] * D + d[None, :]

@@ -66,8 +66,9 @@ def slot_attention(
     attn: Attention, x: torch.Tensor, cos, sin, pos: torch.Tensor, mask: torch.Tensor, kv: SlotKV, attend=None
 ) -> torch.Tensor:
     """Attention.forward for one token per row, over each row's slot: x [B, 1, dim], cos/sin [B, D], mask [B, S].
-    `attend` (q [B, H_kv, rep, D], keys, values, pos -> y of q's shape): the kernel for the part after the cache
-    write (the CUDA export's Triton op, export/kernels_batch.py); else written out over the whole slot."""
+    `attend` (qkv [B, H + 2 H_kv, D] before RoPE, cos, sin, kv, pos -> y [B, H_kv, rep, D]): the kernel for all of
+    it after the projection, RoPE and the cache writes included (the CUDA export's Triton op,
+    export/kernels_batch.py); else written out over the whole slot."""
     c = attn.c
     n_kv, rep, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
     # Split into heads while the projection is contiguous, then into q, k, v, and fold the query heads after the
@@ -75,14 +76,13 @@ def slot_attention(
     # unflattened, or k[:, :, 0]) guards on B > 1 even when compiled size-obliviously; where B is at most 2
     # (--max-batch 2) that leaves B only 2, and the program would take exactly two rows.
     qkv = few_rows(attn.qkv_proj, x).unflatten(-1, (c.n_heads + 2 * n_kv, d))[:, 0]  # [B, H + 2 H_kv, D]
-    q, k, v = qkv.split([c.n_heads, n_kv, n_kv], dim=1)  # [B, H(_kv), D]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = kv.update(pos, k, v)  # [B, H_kv, S, D]
-    q = q.unflatten(1, (n_kv, rep))  # [B, H_kv, rep, D]: query heads folded as in Attention
     if attend is not None:
-        y = attend(q.contiguous(), keys, values, pos)
+        y = attend(qkv, cos, sin, kv, pos)
     else:
+        q, k, v = qkv.split([c.n_heads, n_kv, n_kv], dim=1)  # [B, H(_kv), D]
+        q, k = apply_rope(q, cos[:, None, :], sin[:, None, :]), apply_rope(k, cos[:, None, :], sin[:, None, :])
+        keys, values = kv.update(pos, k, v)  # [B, H_kv, S, D]
+        q = q.unflatten(1, (n_kv, rep))  # [B, H_kv, rep, D]: query heads folded as in Attention
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * d**-0.5  # [B, H_kv, rep, S]
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         y = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [B, H_kv, rep, D]

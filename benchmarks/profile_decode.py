@@ -90,13 +90,43 @@ def _time_layout(shapes, layers, inputs, head) -> tuple[float, float]:
     return graph_ms(step), gb
 
 
-def kernel_table(prof, per: int, title: str, top: int = 25) -> None:
+# A kernel's kind by its name (cuBLAS's and Triton's GEMM/GEMV kernels, ours included; the attention kernels)
+KINDS = (
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "fp8_mm", "int4", "_mm_")),
+    ("attention", ("attention", "attend", "flash", "merge")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KINDS if any(m in low for m in marks)), "the rest")
+
+
+def kernel_rows(events) -> dict[str, list[float]]:
+    """name -> [count, µs] over the GPU's kernels; the `method:` ranges the runtime annotates are spans over
+    kernels, not kernels, and left out."""
     rows: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("method:"):
             r = rows[e.name]
             r[0] += 1
             r[1] += e.time_range.elapsed_us()
+    return rows
+
+
+def kind_line(rows: dict[str, list[float]], per: int) -> str:
+    """One line: each kind's kernels and ms per call."""
+    kinds: dict[str, list[float]] = {kind: [0, 0.0] for kind in ("matmul", "attention", "the rest")}
+    for name, (n, us) in rows.items():
+        kinds[kernel_kind(name)][0] += n
+        kinds[kernel_kind(name)][1] += us
+    return "By kind, per call: " + "; ".join(
+        f"{kind} {us / per / 1e3:.3f} ms ({n / per:.0f} kernels)" for kind, (n, us) in kinds.items()
+    )
+
+
+def kernel_table(prof, per: int, title: str, top: int = 25) -> None:
+    rows = kernel_rows(prof.events())
     total = sum(r[1] for r in rows.values())
     count = sum(r[0] for r in rows.values())
     print(f"## {title}: {count / per:.0f} kernels and {total / per / 1e3:.3f} ms of kernel time per call\n")
@@ -104,7 +134,7 @@ def kernel_table(prof, per: int, title: str, top: int = 25) -> None:
     print("|---|---:|---:|---:|")
     for name, (n, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"| `{name[:90]}` | {n / per:.0f} | {us / per:.1f} | {us / total:.1%} |")
-    print()
+    print(f"\n{kind_line(rows, per)}\n")
 
 
 def ttft_timeline(engine: ProgramEngine, tok: Tekken, gaps: int = 12) -> None:

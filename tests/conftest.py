@@ -14,7 +14,7 @@ import torch
 from runner.app.options import Environment
 from runner.bundle import MANIFEST_NAME, read_manifest, weight_files
 from runner.export.checkpoint import TINY_SEED, load_checkpoint, random_model, write_tiny_checkpoint
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.voxtral import export_voxtral
 from runner.families import family_for
 from runner.runtime.engine import ProgramEngine

@@ -148,7 +148,7 @@ def _options(args: argparse.Namespace, cache_dir: Path):
     """The ExportOptions the flags ask for: checked before minutes of loading a checkpoint."""
     import torch
 
-    from runner.export.pipeline import ExportOptions
+    from runner.export.options import ExportOptions
 
     env: Environment = args.env
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

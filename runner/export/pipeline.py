@@ -1,34 +1,26 @@
-"""The export pipeline every family shares: each method torch.export'ed and compiled by AOTInductor into its own
-`.so` (through a compile cache), its weights written as safetensors keyed by FQN, the manifest, a self-check
-of every compiled method through our own delegate against eager, and an atomic publish.
+"""The export pipeline every family shares: each method compiled into its own `.so` (runner/export/aoti.py) through
+a compile cache, its weights beside it, a failed compile replaced by the plan's fallback, the manifest, a
+self-check of every compiled method through our own delegate against eager, and an atomic publish.
 
-Weights are kept out of the `.so` (`package_constants_in_so=False`); the runtime binds them into the container
-at init. The bundle is built in a staging directory and renamed into place at the end, so a failed export
-leaves no half bundle. A family's exporter (runner/export/voxtral.py, whisper.py) plans the methods.
+The bundle is built in a staging directory and renamed into place at the end, so a failed export leaves no half
+bundle. A family's exporter (runner/export/voxtral.py, whisper.py) plans the methods.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import logging
 import shutil
 import tempfile
 import time
-import warnings
-import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.fx.experimental._config as fx_config
-from safetensors.torch import save_file
 from torch import nn
 
 from runner import __version__
-from runner.audio import DEFAULT_AUDIO_CHUNKS, context_for
 from runner.bundle import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -38,11 +30,13 @@ from runner.bundle import (
     verify_bundle,
     write_manifest,
 )
-from runner.digests import DigestCache, default_cache_dir, sha256_file
-from runner.errors import BundleError, Cancellation, ExportError
+from runner.digests import DigestCache, sha256_file
+from runner.errors import BundleError, ExportError
+from runner.export.aoti import compile_method, release_compile_copies, write_weights
 from runner.export.checkpoint import ModelSource
 from runner.export.compile_cache import CompileCache
-from runner.export.methods import COMPILE_ALLOWANCE, MethodPlan, bytes_needed, dtype_name, method_weights
+from runner.export.methods import COMPILE_ALLOWANCE, MethodPlan, bytes_needed, dtype_name
+from runner.export.options import DTYPES, ExportOptions
 from runner.export.registry import ExportFamily, taking
 from runner.export.self_check import Mismatch, check_bundle
 from runner.publish import (
@@ -60,56 +54,15 @@ from runner.publish import (
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QUANTS = ("none", "int4", "fp8")  # --quant: weight-only int4 or fp8 of the decoder's linear layers (export/quant.py)
 # Hashed into every compile-cache key (paths relative to runner/); a family adds its own.
-PIPELINE_SOURCES = ("export/pipeline.py", "export/methods.py", "models/mel.py", "audio.py")
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    device: str = "cpu"
-    dtype: str = "fp32"
-    max_seq_len: int | None = None  # None: room for the longest audio, a prompt and its answer (context_for)
-    max_audio_chunks: int = DEFAULT_AUDIO_CHUNKS  # 10 minutes of audio in one prompt
-    debug: bool = False  # AOTI debug compile, generated sources kept in the bundle's debug/ (the seed's DEBUG=1)
-    cache_dir: Path | None = None  # compile cache and remembered digests (None: digests.default_cache_dir())
-    check: bool = True  # run every method against eager before publishing
-    pdl: bool = True  # CUDA sm_90+: decode kernels wait for their predecessor (programmatic dependent launch)
-    force: bool = False  # --out holds other files: add the bundle's beside them (kept) instead of refusing
-    quant: str = "none"  # "int4" / "fp8": the decoder's linear layers weight-only int4 / fp8 (runner/export/quant.py)
-    max_streams: int | None = None  # a streaming family's stream slots batched in one step (None: its default)
-    max_batch: int = 1  # a batching family: > 1 adds text_decoder_batch, that many sequences decoded in one step
-    max_autotune: tuple[str, ...] = ()  # methods compiled with Inductor's max_autotune (GEMM templates benchmarked)
-    # checked between methods and before publishing; not part of what the bundle is built from
-    cancel: Cancellation = field(default_factory=Cancellation, compare=False, hash=False, repr=False)
-
-    def __post_init__(self):
-        chunks = self.max_audio_chunks
-        if self.max_seq_len is None and isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
-            object.__setattr__(self, "max_seq_len", context_for(chunks))
-        for flag, value in (
-            ("--max-audio-chunks", self.max_audio_chunks),
-            ("--max-seq-len", self.max_seq_len),
-            ("--max-batch", self.max_batch),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ExportError(f"{flag} {value}: a whole number, at least 1")
-        if self.dtype not in DTYPES:
-            raise ExportError(f"--dtype {self.dtype}: choose from {', '.join(DTYPES)}")
-        if self.quant not in QUANTS:
-            raise ExportError(f"--quant {self.quant}: choose from {', '.join(QUANTS)}")
-        if self.quant == "int4" and self.device == "cuda" and self.dtype != "bf16":
-            # tinygemm takes bf16 only: in fp32 every decode step would dequantise all the weights
-            raise ExportError("--quant int4 on --device cuda needs --dtype bf16 (torch's int4 kernels take bf16)")
-        if self.quant == "fp8" and self.dtype != "bf16":  # on the CPU too: its bundle computes as the GPU's
-            raise ExportError(
-                "--quant fp8 needs --dtype bf16 (the fp8 layers compute in bf16: torch's fp8 matmul gives bf16)"
-            )
-
-    @property
-    def cache_root(self) -> Path:
-        return Path(self.cache_dir or default_cache_dir())
+PIPELINE_SOURCES = (
+    "export/pipeline.py",
+    "export/options.py",
+    "export/aoti.py",
+    "export/methods.py",
+    "models/mel.py",
+    "audio.py",
+)
 
 
 @dataclass
@@ -156,105 +109,6 @@ def cache_key(model: nn.Module, source: ModelSource, opts: ExportOptions, method
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-@contextlib.contextmanager
-def _one_object_per_kernel():
-    """AOTInductor before torch 2.13 embeds each kernel binary as `<cubin>.o`, its symbols renamed to the kernel's
-    name. When two kernel names share one cubin (the same Triton kernel, specialised alike, at two call sites:
-    seen with the cache-writing attention of the 3B step), the second object overwrites the first and is linked
-    twice: "multiple definition of `___attention_kernel_N_start'". Each kernel name gets its own copy of the
-    cubin here. torch 2.13 embeds all binaries in one batched object, named per kernel, and calls this function
-    only as its fallback."""
-    from torch._inductor import codecache
-
-    original = getattr(codecache, "convert_cubin_to_obj", None)
-    if original is None:
-        yield
-        return
-
-    def convert(cubin_file: str, kernel_name: str, ld: str, objcopy: str) -> str:
-        own = f"{cubin_file[: -len('.cubin')] if cubin_file.endswith('.cubin') else cubin_file}.{kernel_name}.cubin"
-        shutil.copyfile(cubin_file, own)
-        return original(own, kernel_name, ld, objcopy)
-
-    codecache.convert_cubin_to_obj = convert
-    try:
-        yield
-    finally:
-        codecache.convert_cubin_to_obj = original
-
-
-def compile_method(plan: MethodPlan, opts: ExportOptions, workdir: Path, debug_dir: Path | None) -> Path:
-    """torch.export + AOTInductor; returns the path of the method's `.so` (weights not embedded)."""
-    with torch.no_grad():
-        ep = plan.exported()
-    configs = {"aot_inductor.package_constants_in_so": False, "aot_inductor.debug_compile": opts.debug}
-    if plan.name in opts.max_autotune:  # on CUDA: Triton GEMM templates beside cuBLAS, with fused epilogues
-        configs["max_autotune"] = True
-    if opts.device == "cuda":
-        # Kernel binaries go inside the .so: by default it loads .cubin files from the compile directory, which
-        # exists only on the machine that exported (seen: "CUDA driver error: file not found" elsewhere).
-        configs["aot_inductor.embed_kernel_binary"] = True
-    with _one_object_per_kernel(), fx_config.patch(backed_size_oblivious=plan.size_oblivious):
-        package = torch._inductor.aoti_compile_and_package(
-            ep, package_path=str(workdir / f"{plan.name}.pt2"), inductor_configs=configs
-        )
-    with zipfile.ZipFile(package) as z:
-        libs = [n for n in z.namelist() if n.endswith(".so")]
-        if len(libs) != 1:
-            raise ExportError(f"{plan.name}: expected one .so in the AOTI package, found {libs}")
-        so = workdir / f"{plan.name}.so"
-        with z.open(libs[0]) as src, open(so, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        if debug_dir is not None:  # the seed's DEBUG option: keep the generated C++ next to the bundle
-            for n in z.namelist():
-                if n.endswith((".cpp", ".h", ".json")):
-                    (debug_dir / plan.name).mkdir(parents=True, exist_ok=True)
-                    (debug_dir / plan.name / Path(n).name).write_bytes(z.read(n))
-    return so
-
-
-def release_compile_copies() -> None:
-    """Free what a finished compile still holds. AOTInductor clones every buffer the graph mutates (the KV caches,
-    the streams' state) into the graph module's meta (`NAME__original__`, compile_fx._unlift_graph), and torch.export
-    keeps its last trace, and with it that module, alive until the next one (torch 2.13: a module-level proxy map,
-    cleared here; torch 2.11 holds it elsewhere). At the largest sizes the clone is as large as the state, and the
-    next method's compile ran out of GPU memory. So the clones' storages are shrunk to nothing whoever holds them:
-    the compile that read them is over."""
-    from torch.fx.experimental import proxy_tensor
-
-    getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {}).clear()
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance on every live object touches deprecated module attributes
-        warnings.simplefilter("ignore", FutureWarning)
-        modules = [obj for obj in gc.get_objects() if isinstance(obj, torch.fx.GraphModule)]
-    for obj in modules:
-        for key in [k for k in obj.meta if isinstance(k, str) and k.endswith("__original__")]:
-            free_storage(obj.meta.pop(key))
-    del modules
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def free_storage(t: object) -> None:
-    """A tensor's memory released in place, whoever still refers to it (it reads as empty after)."""
-    if isinstance(t, torch.Tensor):
-        t.untyped_storage().resize_(0)
-
-
-def write_weights(plan: MethodPlan, stage: Path, written: dict[str, set[str]], weights_filter) -> None:
-    """The method's weights into its file, or, for a second method over one module (text_decoder_step), its names
-    checked against the file's. A function of its own so that nothing outlives it: the dict's tensors are views of
-    the device's weights, and the self-check frees those by moving the eager model."""
-    weights = method_weights(plan, weights_filter)
-    if plan.spec.weights in written:
-        if written[plan.spec.weights] != set(weights):
-            raise ExportError(f"{plan.name}: its weights differ from those in {plan.spec.weights}")
-    else:
-        save_file({k: v.cpu() for k, v in weights.items()}, str(stage / plan.spec.weights))
-        written[plan.spec.weights] = set(weights)
 
 
 def prepare(model: nn.Module, source: ModelSource, opts: ExportOptions, family: ExportFamily) -> tuple[nn.Module, dict]:

@@ -94,7 +94,8 @@ def _draw(bundle_dir: Path, manifest: Manifest, family, progress) -> dict[str, d
     import torch
 
     from runner.export.methods import method_weights
-    from runner.export.pipeline import ExportOptions, prepare
+    from runner.export.options import ExportOptions
+    from runner.export.pipeline import prepare
     from runner.export.quant import GROUP_SIZE, apply_quant
 
     source, meta = manifest.model["source"], manifest.model

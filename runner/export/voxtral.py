@@ -32,14 +32,8 @@ from runner.export.methods import (
     method_spec,
     preprocessor_plan,
 )
-from runner.export.pipeline import (
-    DTYPES,
-    ExportOptions,
-    ExportReport,
-    build_bundle,
-    prepare,
-    source_digest,
-)
+from runner.export.options import DTYPES, ExportOptions
+from runner.export.pipeline import ExportReport, build_bundle, prepare, source_digest
 from runner.export.quant import apply_quant
 from runner.export.registry import ExportFamily, Loaded, LoadRequest, Redraw, register
 from runner.families.voxtral import NAME, SPECIAL_TOKENS, Tekken

@@ -34,14 +34,8 @@ from runner.export.checkpoint import (
     read_weights,
 )
 from runner.export.methods import MethodPlan, TracedSlots, dtype_name, method_spec
-from runner.export.pipeline import (
-    DTYPES,
-    ExportOptions,
-    ExportReport,
-    build_bundle,
-    prepare,
-    source_digest,
-)
+from runner.export.options import DTYPES, ExportOptions
+from runner.export.pipeline import ExportReport, build_bundle, prepare, source_digest
 from runner.export.registry import ExportFamily, Loaded, LoadRequest, register
 from runner.export.self_check import LOAD_HEADROOM
 from runner.families.voxtral import Tekken
@@ -178,7 +172,7 @@ def bytes_needed(c: RealtimeConfig, dtype: torch.dtype, streams: int) -> int:
     """The device memory an export of `streams` slots takes at its peak (W: the weights in `dtype`; E, D: one
     slot's encoder and decoder state), the larger of
       compiling a step: W + CHECK_STREAMS x (E + D) (the eager reference's state) + 2 x streams x max(E, D) (the
-        step's traced state, which AOTInductor clones: pipeline.release_compile_copies) + COMPILE_HEADROOM;
+        step's traced state, which AOTInductor clones: aoti.release_compile_copies) + COMPILE_HEADROOM;
       loading the bundle for the self-check: W (the eager model, which stays where the bundle's weights fit beside
         it: self_check.make_room) + CHECK_STREAMS x (E + D) + W (the bundle's) + streams x (E + D) (both steps'
         state, as `run` allocates it) + self_check.LOAD_HEADROOM."""

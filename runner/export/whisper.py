@@ -23,7 +23,8 @@ from runner.audio import MAX_SECONDS, N_FRAMES, N_SAMPLES, SAMPLE_RATE
 from runner.bundle import ALIGN_METHOD, METHOD_NAMES
 from runner.export.checkpoint import ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, kv_cache_state, method_spec, preprocessor_plan
-from runner.export.pipeline import DTYPES, ExportOptions, ExportReport, build_bundle, prepare, source_digest
+from runner.export.options import DTYPES, ExportOptions
+from runner.export.pipeline import ExportReport, build_bundle, prepare, source_digest
 from runner.export.quant import apply_quant
 from runner.export.registry import ExportFamily, Loaded, LoadRequest, Redraw, register
 from runner.families.whisper import NAME, SPECIAL_TOKENS, TOKENIZER_TYPE, WhisperTokenizer

@@ -968,13 +968,13 @@ def test_export_fault(case, tiny_checkpoint, work, capsys):
 def test_export_that_fails_half_way_leaves_nothing(tiny_checkpoint, work, monkeypatch, capsys):
     """The disk fills while the weights are written (injected ENOSPC on the third file): the half-built stage
     is removed, the old bundle at --out stays, and the error names --out."""
-    import runner.export.pipeline as exporter
+    from runner.export import aoti
 
     out = work / "exports" / "bundle"
     out.mkdir(parents=True)
     write_fake_bundle(out)  # an earlier bundle at --out: must survive the failed export
     calls = []
-    real = exporter.save_file
+    real = aoti.save_file
 
     def filling_up(tensors, path, *a, **kw):
         calls.append(path)
@@ -982,7 +982,7 @@ def test_export_that_fails_half_way_leaves_nothing(tiny_checkpoint, work, monkey
             raise OSError(28, "No space left on device")
         return real(tensors, path, *a, **kw)
 
-    monkeypatch.setattr(exporter, "save_file", filling_up)
+    monkeypatch.setattr(aoti, "save_file", filling_up)
     before = tree(work)
     o = cli(capsys, "export", "--checkpoint", tiny_checkpoint, "--no-check", "--out", out, "--cache-dir", COMPILE_CACHE)
     one_error(o, "export", "disk full half-way (injected ENOSPC)", str(out), "No space left")

@@ -228,7 +228,7 @@ def long_bundle(request, tmp_path_factory) -> Path:
         return Path(os.environ["VOXTRAL_SOAK_BUNDLE"])
     tiny_checkpoint = request.getfixturevalue("tiny_checkpoint")
     from runner.export.checkpoint import load_checkpoint
-    from runner.export.pipeline import ExportOptions
+    from runner.export.options import ExportOptions
     from runner.export.voxtral import export_voxtral
 
     out = tmp_path_factory.mktemp("bundles") / "tiny-4chunks"

@@ -27,7 +27,7 @@ GOLDEN = json.loads((FIXTURES / "golden" / "tiny-realtime.json").read_text())["t
 @pytest.fixture(scope="module")
 def rt_bundle(tmp_path_factory) -> Path:
     """The tiny-realtime bundle (its compiles come from the cache, as tests/export/test_realtime_e2e.py's)."""
-    from runner.export.pipeline import ExportOptions
+    from runner.export.options import ExportOptions
     from runner.export.registry import LoadRequest
     from runner.export.voxtral_realtime import export_voxtral_realtime, load
 

@@ -158,7 +158,7 @@ def test_the_self_check_with_one_copy_of_the_weights(tiny_checkpoint, tmp_path, 
     computed, the eager model goes to the host, the bundle loads and every method passes against them."""
     from runner.export import self_check
     from runner.export.checkpoint import load_checkpoint
-    from runner.export.pipeline import ExportOptions
+    from runner.export.options import ExportOptions
     from runner.export.voxtral import export_voxtral
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 80 << 30))

@@ -14,7 +14,7 @@ import torch
 from conftest import AUDIO, CACHE
 
 from runner.audio import load_audio
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.registry import LoadRequest
 from runner.export.voxtral_realtime import export_voxtral_realtime, load
 from runner.families import family_for

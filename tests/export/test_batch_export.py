@@ -14,7 +14,8 @@ from runner.app.cli import build_parser, main
 from runner.bundle import BATCH_STATE_PREFIX, read_manifest
 from runner.errors import Cancellation, ExportError
 from runner.export import registry
-from runner.export.pipeline import ExportOptions, prepare
+from runner.export.options import ExportOptions
+from runner.export.pipeline import prepare
 
 SHARED = ("preprocessor", "audio_encoder", "token_embedding", "text_decoder", "text_decoder_step")
 

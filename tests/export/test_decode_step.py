@@ -96,7 +96,7 @@ def test_the_triton_step_has_the_decoder_as_its_fallback(monkeypatch):
     from runner.export import voxtral as vx
     from runner.export.decode_step import DecodeStep
     from runner.export.methods import method_weights
-    from runner.export.pipeline import ExportOptions
+    from runner.export.options import ExportOptions
     from runner.models.voxtral import TextDecoder, Voxtral
     from runner.models.voxtral_config import preset
 

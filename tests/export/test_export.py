@@ -23,10 +23,10 @@ from runner.audio_chunks import pad_to_chunks
 from runner.bundle import FORMAT_VERSION, MANIFEST_NAME, METHOD_NAMES, STEP_METHOD, read_manifest, verify_bundle
 from runner.digests import sha256_file
 from runner.errors import DelegateError, ExportError
+from runner.export import aoti, self_check
 from runner.export import pipeline as exporter
-from runner.export import self_check
 from runner.export.checkpoint import load_checkpoint
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.voxtral import export_voxtral, family_key
 from runner.families.voxtral.tokenizer import Tekken
 from runner.models.mel import LogMelSpectrogram
@@ -480,7 +480,7 @@ def test_failed_compile_leaves_no_half_bundle(tiny_bundle, tiny_checkpoint, tmp_
     cached.parent.mkdir(parents=True)
     shutil.copyfile(tiny_bundle / "preprocessor.so", cached)
     staged = []
-    monkeypatch.setattr(exporter, "save_file", lambda tensors, path, *a, **k: staged.append(Path(path).name))
+    monkeypatch.setattr(aoti, "save_file", lambda tensors, path, *a, **k: staged.append(Path(path).name))
     out = tmp_path / "bundles" / "tiny"
     with pytest.raises(RuntimeError, match="compiling audio_encoder"):
         export_voxtral(model, source, tekken, out, opts)
@@ -588,7 +588,7 @@ def test_kernel_binaries_sharing_a_cubin_embed_as_separate_objects(tmp_path):
     cubin.write_bytes(bytes(range(256)) * 4)
     convert = codecache.convert_cubin_to_obj
     assert convert(str(cubin), "kern_0", "ld", "objcopy") == convert(str(cubin), "kern_1", "ld", "objcopy")  # the bug
-    with exporter._one_object_per_kernel():
+    with aoti._one_object_per_kernel():
         objs = [codecache.convert_cubin_to_obj(str(cubin), f"kern_{i}", "ld", "objcopy") for i in (0, 1)]
     assert codecache.convert_cubin_to_obj is convert  # restored
     assert len(set(objs)) == 2

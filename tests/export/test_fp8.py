@@ -23,7 +23,7 @@ from runner.errors import BundleError, ExportError, RunnerError
 from runner.export import self_check
 from runner.export import voxtral as export_voxtral
 from runner.export.methods import MethodPlan
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.quant import apply_quant
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT
 from runner.export.whisper import EXPORT as WHISPER_EXPORT

@@ -21,7 +21,8 @@ from runner.errors import ExportError
 from runner.export import voxtral as export_module
 from runner.export.checkpoint import load_checkpoint
 from runner.export.methods import method_weights
-from runner.export.pipeline import ExportOptions, ExportReport
+from runner.export.options import ExportOptions
+from runner.export.pipeline import ExportReport
 
 FP8 = torch.float8_e4m3fn
 QUANTISED = re.compile(

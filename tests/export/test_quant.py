@@ -17,7 +17,8 @@ from torch import nn
 
 from runner.app.inspect_bundle import quant_line
 from runner.errors import BundleError, ExportError
-from runner.export.pipeline import ExportOptions, cache_key
+from runner.export.options import ExportOptions
+from runner.export.pipeline import cache_key
 from runner.export.quant import GROUP_SIZE, LEVELS, apply_quant, quantize, quantize_linear
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT
 from runner.export.whisper import EXPORT as WHISPER_EXPORT

@@ -17,7 +17,7 @@ from conftest import CACHE, FIXTURES
 
 from runner.audio import load_audio
 from runner.bundle import read_manifest
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.registry import LoadRequest
 from runner.export.voxtral_realtime import export_voxtral_realtime, load
 from runner.families import family_for

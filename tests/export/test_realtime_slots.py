@@ -11,7 +11,8 @@ import torch
 import runner.export.voxtral_realtime as rt
 from runner.app.cli import main
 from runner.errors import ExportError
-from runner.export.pipeline import ExportOptions, ExportReport
+from runner.export.options import ExportOptions
+from runner.export.pipeline import ExportReport
 from runner.models.voxtral_realtime import DecoderState, EncoderState, VoxtralRealtime
 from runner.models.voxtral_realtime_config import PRESETS
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from runner.export import pipeline, self_check
 from runner.export.checkpoint import load_checkpoint
+from runner.export.options import ExportOptions
 from runner.export.voxtral import export_voxtral
 
 WEIGHTS = 3 << 20
@@ -91,5 +92,5 @@ def test_the_self_check_starts_with_nothing_else_on_the_weights_memory(tiny_chec
 
     monkeypatch.setattr(pipeline, "check_bundle", check)
     model, source, tekken = load_checkpoint(tiny_checkpoint)
-    export_voxtral(model, source, tekken, tmp_path / "tiny", pipeline.ExportOptions(cache_dir=CACHE))
+    export_voxtral(model, source, tekken, tmp_path / "tiny", ExportOptions(cache_dir=CACHE))
     assert seen["params"] > 10 and seen["others"] == []

@@ -25,7 +25,7 @@ from runner.bundle import MANIFEST_NAME, Manifest, read_manifest, verify_bundle,
 from runner.digests import sha256_file
 from runner.errors import BundleError, RunnerError
 from runner.export import whisper_convert
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.regenerate import regenerate
 
 ROOT = Path(__file__).resolve().parents[2]

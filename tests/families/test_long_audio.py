@@ -20,7 +20,7 @@ from runner.audio import N_SAMPLES, PROMPT_ROOM, SAMPLE_RATE, TOKENS_PER_CHUNK, 
 from runner.audio_chunks import CUT_FRAME, CUT_SEARCH, audio_windows, window_bounds
 from runner.bundle import read_manifest
 from runner.errors import AudioError
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.families import voxtral as voxtral_family
 from runner.families.voxtral import Tekken, VoxtralFamily, transcription_prompt
 from runner.reference import eager_engine

@@ -24,7 +24,8 @@ from runner.bundle import METHOD_NAMES, read_manifest
 from runner.export import registry
 from runner.export.checkpoint import FIXTURES, ModelSource
 from runner.export.methods import MethodPlan, dim, dtype_name, method_spec, preprocessor_plan
-from runner.export.pipeline import DTYPES, ExportOptions, build_bundle, prepare
+from runner.export.options import DTYPES, ExportOptions
+from runner.export.pipeline import build_bundle, prepare
 from runner.families.base import Capabilities
 from runner.families.voxtral.tokenizer import Tekken
 from runner.models.methods import Methods

@@ -19,7 +19,7 @@ from conftest import CACHE
 
 from runner.app.wer import corpus_wer, score
 from runner.errors import ExportError, GenerationError
-from runner.export.pipeline import ExportOptions
+from runner.export.options import ExportOptions
 from runner.export.whisper_convert import ConversionError, load_whisper, package_model_dir
 from runner.runtime.detokenize import StreamDecoder
 from runner.runtime.generate import GenerationOptions, MultimodalRunner

@@ -182,7 +182,7 @@ def build_bundle(
         if opts.check:
             if progress:
                 progress("all", "checking against eager")
-            methods.report.max_error = methods.check(stage, meta, inputs)
+            methods.report.max_error = methods.check(stage, out, meta, inputs)
         kept = publish(stage, out, cancel=opts.cancel, merge=opts.force)  # checks for a stop right before
         if kept is not None:
             log.warning("%s: files that appeared in the old bundle meanwhile were kept in %s", out, kept)
@@ -194,7 +194,8 @@ def build_bundle(
 
 class MethodCompiler:
     """Each method's `.so` into a staging directory, from the compile cache or compiled (then cached), its
-    weights beside it; a plan whose compile fails is replaced by its fallback, and the report says why."""
+    weights beside it; a plan whose compile fails is replaced by the first of its chain of fallbacks that
+    compiles, and the report says why."""
 
     def __init__(self, model, plans: list[MethodPlan], source, opts: ExportOptions, family_key: dict, progress):
         unknown = sorted(set(opts.max_autotune) - {p.name for p in plans})
@@ -207,6 +208,7 @@ class MethodCompiler:
         self.cache = CompileCache(opts.cache_root / "compiled")
         self.digests = DigestCache(opts.cache_root / "digests.json")
         self.report = ExportReport()
+        self.mismatches: dict[str, int] = {}  # method -> its fallbacks taken on a failed self-check
 
     def key(self, plan: MethodPlan) -> str:
         return cache_key(self.model, self.source, self.opts, plan.name, {**self.family_key, **plan.key_extra})
@@ -217,16 +219,24 @@ class MethodCompiler:
         for i, plan in enumerate(self.plans):
             self.opts.cancel.check()
             t0 = time.perf_counter()
-            try:
-                self.report.cached[plan.name] = self.fetch_or_compile(plan, stage, debug_dir)
-            except Exception as e:
-                plan = self.plans[i] = self.fallback_for(plan, e, stage, out)
-                self.report.cached[plan.name] = self.fetch_or_compile(plan, stage, debug_dir)
+            plan, cached = self.first_that_compiles(plan, stage, out, debug_dir)
+            self.plans[i], self.report.cached[plan.name] = plan, cached
             self.report.compile_seconds[plan.name] = round(time.perf_counter() - t0, 2)
             write_weights(plan, stage, written, weights_filter)
             if self.progress:
                 seconds = self.report.compile_seconds[plan.name]
                 self.progress(plan.name, "cached" if self.report.cached[plan.name] else f"compiled in {seconds:.1f}s")
+
+    def first_that_compiles(
+        self, plan: MethodPlan, stage: Path, out: Path, debug_dir: Path | None
+    ) -> tuple[MethodPlan, bool]:
+        """The first plan down `plan`'s chain of fallbacks whose `.so` is cached or compiles, and whether it was
+        cached; each failure on the way is recorded (fallback_for, which raises where the chain must stop)."""
+        while True:
+            try:
+                return plan, self.fetch_or_compile(plan, stage, debug_dir)
+            except Exception as e:
+                plan = self.fallback_for(plan, e, stage, out)
 
     def fetch_or_compile(self, plan: MethodPlan, stage: Path, debug_dir: Path | None) -> bool:
         """The method's `.so` into the stage, from the compile cache or compiled (then cached): whether cached."""
@@ -245,10 +255,10 @@ class MethodCompiler:
         self.cache.store(key, plan.name, so, sources)
         return False
 
-    def check(self, stage: Path, meta: dict, inputs: str) -> dict[str, float]:
+    def check(self, stage: Path, out: Path, meta: dict, inputs: str) -> dict[str, float]:
         """check_bundle on the stage. Where a plan that may fall back on a mismatch (`fallback_on_mismatch`) differs
-        from eager, its fallback is compiled into the stage, the manifest written again and every method checked
-        again; any other mismatch fails the export."""
+        from eager, the first of its fallbacks that compiles goes into the stage, the manifest is written again and
+        every method checked again; any other mismatch fails the export."""
         dtype, device = DTYPES[self.opts.dtype], self.opts.device
         while True:
             try:
@@ -262,13 +272,13 @@ class MethodCompiler:
                 log.warning("%s; compiling its fallback", e)
                 if self.progress:
                     self.progress(plan.name, "differs from eager; compiling the fallback")
-                self.report.fallbacks[plan.name] = f"self-check: {e.detail}"
+                self.record_fallback(plan.name, f"self-check: {e.detail}")
                 # a library of its own name: the checked one stays mapped in this process under the old name
                 # (glibc hands back a loaded library by path; writing over it would rewrite mapped code)
-                fallback = replace(plan.fallback, spec=replace(plan.fallback.spec, library=f"{plan.name}.fallback.so"))
+                n = self.mismatches[plan.name] = self.mismatches.get(plan.name, 0) + 1
+                fallback = with_library(plan.fallback, f"{plan.name}.fallback{n if n > 1 else ''}.so")
                 (stage / plan.spec.library).unlink()
-                self.plans[i] = fallback
-                self.report.cached[plan.name] = self.fetch_or_compile(fallback, stage, None)
+                self.plans[i], self.report.cached[plan.name] = self.first_that_compiles(fallback, stage, out, None)
                 (stage / MANIFEST_NAME).unlink()  # the manifest lists the stage's files: not its old self
                 write_manifest(stage, bundle_manifest(stage, meta, inputs, self, self.progress))
 
@@ -287,8 +297,19 @@ class MethodCompiler:
         log.warning("%s did not compile (%s); compiling its fallback", plan.name, why)
         if self.progress:
             self.progress(plan.name, f"did not compile ({why}); compiling the fallback")
-        self.report.fallbacks[plan.name] = why
+        self.record_fallback(plan.name, why)
         return plan.fallback
+
+    def record_fallback(self, method: str, why: str) -> None:
+        """Why `method`'s fallback was taken, after why an earlier one was, if any."""
+        earlier = self.report.fallbacks.get(method)
+        self.report.fallbacks[method] = f"{earlier}; then {why}" if earlier else why
+
+
+def with_library(plan: MethodPlan, library: str) -> MethodPlan:
+    """`plan` and the fallbacks after it, their `.so` named `library`."""
+    fallback = with_library(plan.fallback, library) if plan.fallback is not None else None
+    return replace(plan, spec=replace(plan.spec, library=library), fallback=fallback)
 
 
 def bundle_manifest(stage: Path, meta: dict, inputs: str, methods: MethodCompiler, progress) -> Manifest:

@@ -132,7 +132,8 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
     with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
     An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA; an fp8 model's
-    multiplies on the fp8 tensor cores (fp8_linear.scaled_mm) on an sm_89+ GPU, dequantising as its fallback."""
+    multiplies on the fp8 tensor cores (fp8_linear.scaled_mm) on an sm_89+ GPU, with the dequantising prefill as
+    its fallback, and the whole-cache decoder after that."""
     c, dev, dtype, S = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_seq_len
     tiles = _triton_tiles(model, opts.device)
     if tiles:
@@ -171,11 +172,13 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
 def scaled_mm_prefill(plan: MethodPlan) -> None:
     """The prefill's fp8 layers on the fp8 tensor cores (`_scaled_mm`), checked against the eager reference computing
     the same: the activations' rounding to e4m3 alone parts a deep random-init decoder from the dequantised eager
-    one by more than the check's tolerance, and the check is of the compile. Dequantising, against the dequantised
-    reference, as the fallback, for a failed check too: with e4m3 activations a deep random-init decoder moves by
-    about the tolerance when its input moves by one bf16 rounding, so a compile's different rounding can fail a
-    correct prefill (benchmarks/NOTES.md), and the dequantised prefill is what the check can hold to it."""
-    plan.fallback = plan.fallback or replace(plan, key_extra={"fallback": "dequantised"})
+    one by more than the check's tolerance, and the check is of the compile. Its fallback, for a failed check too,
+    is the plan as it was, dequantising against the dequantised reference: with e4m3 activations a deep random-init
+    decoder moves by about the tolerance when its input moves by one bf16 rounding, so a compile's different
+    rounding can fail a correct prefill (benchmarks/NOTES.md), and the dequantised prefill is what the check can
+    hold to it. That one's own fallback is the plan's (on CUDA the whole-cache decoder): the chain is `_scaled_mm`,
+    then the dequantised Triton prefill, then the whole-cache decoder."""
+    plan.fallback = replace(plan, key_extra={"fallback": "dequantised"})  # its fallback: the plan's, as it was
     plan.key_extra = {"fp8": "scaled_mm"}
     plan.fallback_on_mismatch = True
     module = plan.module

@@ -22,7 +22,7 @@ from runner.app.inspect_bundle import quant_line
 from runner.errors import BundleError, ExportError, RunnerError
 from runner.export import self_check
 from runner.export import voxtral as export_voxtral
-from runner.export.methods import MethodPlan
+from runner.export.methods import MethodPlan, kv_cache_state
 from runner.export.options import ExportOptions
 from runner.export.quant import apply_quant
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT
@@ -200,6 +200,30 @@ def test_a_scaled_mm_prefill_is_checked_against_eager_rounding_its_activations_a
     assert rel(got) < 2e-2 and rel(fallback) > 4 * rel(got), (rel(got), rel(fallback))
     with torch.no_grad():
         assert torch.equal(fallback, head(x)) and not any(lin.matmul for lin in fp8_layers(m))
+
+
+def test_the_cuda_scaled_mm_prefill_falls_back_to_the_dequantised_triton_prefill_then_the_whole_cache_decoder(
+    monkeypatch,
+):
+    """prefill_plan as on an sm_89+ GPU with the Triton tiles (both patched in: the plan is built, not run): the chain
+    is the `_scaled_mm` prefill, the dequantised Triton prefill, then the whole-cache decoder, which attends over the
+    whole cache and so is the last resort. Only the first falls back on a failed self-check."""
+    m = Voxtral(preset("tiny")).init_weights(0).to(torch.bfloat16)
+    apply_quant(m, VOXTRAL_EXPORT, "fp8")
+    monkeypatch.setattr(export_voxtral, "_triton_tiles", lambda *a: True)
+    monkeypatch.setattr(export_voxtral.fp8_linear, "scaled_mm_serves", lambda *a: True)
+    c, S = m.config.text, 64
+    state = kv_cache_state(c.n_layers, [1, c.n_kv_heads, S, c.head_dim], torch.bfloat16)
+    emb = lambda s: torch.zeros(1, s, c.dim, dtype=torch.bfloat16)  # noqa: E731
+    opts = ExportOptions(dtype="bf16", quant="fp8", max_audio_chunks=1, max_seq_len=S)
+    reference = m.decoder()
+    plan = export_voxtral.prefill_plan(m, opts, state, emb, Dim("seq", min=1, max=S), reference)
+    scaled, dequantised, whole = plan, plan.fallback, plan.fallback.fallback
+    assert scaled.key_extra == {"fp8": "scaled_mm"} and isinstance(scaled.reference, export_voxtral.ScaledReference)
+    assert dequantised.key_extra == {"fallback": "dequantised"} and dequantised.reference is reference
+    assert dequantised.module is scaled.module and scaled.module.prefill  # the Triton prefill, dequantising
+    assert whole.key_extra == {"fallback": "whole-cache"} and not whole.module.prefill and whole.fallback is None
+    assert [p.fallback_on_mismatch for p in (scaled, dequantised, whole)] == [True, False, False]
 
 
 def test_voxtral_fp8_quantises_the_int4_layers_and_records_them():

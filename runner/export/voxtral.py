@@ -55,6 +55,7 @@ SOURCE_FILES = (
     "export/kernels_prefill.py",
     "export/kernels_batch.py",
     "export/kernels_int4.py",
+    "export/kernels_fp8.py",
     "export/quant.py",
     "models/quant_linear.py",
     "models/fp8_linear.py",
@@ -132,8 +133,8 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
     fallback: should the op not compile, the export still gives a bundle, and `model.fallbacks` says so. On CUDA
     with a head size the op cannot tile, the whole-cache decoder itself: the same answer, at the cache's cost.
     An int4 model's prefill dequantises its weights through the Triton op of kernels_int4.py on CUDA; an fp8 model's
-    multiplies on the fp8 tensor cores (fp8_linear.scaled_mm) on an sm_89+ GPU, with the dequantising prefill as
-    its fallback, and the whole-cache decoder after that."""
+    multiplies on the fp8 tensor cores (fp8_linear.scaled_mm) on an sm_89+ GPU, its fallbacks a chain
+    (`scaled_mm_prefill`)."""
     c, dev, dtype, S = model.config.text, torch.device(opts.device), DTYPES[opts.dtype], opts.max_seq_len
     tiles = _triton_tiles(model, opts.device)
     if tiles:
@@ -172,16 +173,26 @@ def prefill_plan(model: Voxtral, opts: ExportOptions, state, emb, seq, reference
 def scaled_mm_prefill(plan: MethodPlan) -> None:
     """The prefill's fp8 layers on the fp8 tensor cores (`_scaled_mm`), checked against the eager reference computing
     the same: the activations' rounding to e4m3 alone parts a deep random-init decoder from the dequantised eager
-    one by more than the check's tolerance, and the check is of the compile. Its fallback, for a failed check too,
-    is the plan as it was, dequantising against the dequantised reference: with e4m3 activations a deep random-init
-    decoder moves by about the tolerance when its input moves by one bf16 rounding, so a compile's different
-    rounding can fail a correct prefill (benchmarks/NOTES.md), and the dequantised prefill is what the check can
-    hold to it. That one's own fallback is the plan's (on CUDA the whole-cache decoder): the chain is `_scaled_mm`,
-    then the dequantised Triton prefill, then the whole-cache decoder."""
-    plan.fallback = replace(plan, key_extra={"fallback": "dequantised"})  # its fallback: the plan's, as it was
+    one by more than the check's tolerance, and the check is of the compile. With e4m3 activations a deep
+    random-init decoder moves by about the tolerance when its input moves by one bf16 rounding, so a compile's
+    different rounding can fail a correct prefill (benchmarks/NOTES.md): a failed check, like a failed compile,
+    takes the next link of a chain, each held to the dequantised reference:
+      1. the prompt's GEMMs through kernels_fp8's op over the codes (no activation rounded: bf16's tolerance);
+      2. the plan as it was, dequantising its weights (the weights' bf16 copy written and read per prompt);
+      3. that plan's own fallback (on CUDA the whole-cache decoder, which attends over the whole cache)."""
+    from runner.export import kernels_fp8  # imports Triton
+
+    module = plan.module
+    dequantised = replace(plan, key_extra={"fallback": "dequantised"})  # its fallback: the plan's, as it was
+    plan.fallback = replace(
+        plan,
+        key_extra={"fp8": "fp8_mm"},
+        export=lambda: kernels_fp8.export_widening(module, plan.example, plan.dynamic_shapes),
+        fallback=dequantised,
+        fallback_on_mismatch=True,
+    )
     plan.key_extra = {"fp8": "scaled_mm"}
     plan.fallback_on_mismatch = True
-    module = plan.module
     plan.export = lambda: _export_scaled(module, plan)
     plan.reference = ScaledReference(plan.reference or module)
 

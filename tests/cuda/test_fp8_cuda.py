@@ -80,3 +80,35 @@ def test_a_tiny_fp8_bundle_exports_its_prompt_through_scaled_mm_and_transcribes(
     assert len(record["tokens"]) == 16
     # the eager reference dequantises in its prompt too; the bundle's prompt rounds its activations to e4m3
     assert record["reference"]["ok"], record["reference"]
+
+
+def test_a_failed_scaled_check_publishes_the_prefill_through_fp8_mm_and_it_transcribes(
+    tiny_checkpoint, tmp_path_factory, monkeypatch
+):
+    """The chain's second link on this GPU: the `_scaled_mm` prefill's reference made to differ (its logits moved),
+    so its self-check fails and the export takes the prefill whose GEMMs run through kernels_fp8's op. That one
+    compiles, passes against the dequantised model and publishes: one reason in `model.fallbacks` (a second would
+    mean it too gave way), and the bundle transcribes as the eager model does."""
+    from runner.export import voxtral as export_voxtral
+
+    forward = export_voxtral.ScaledReference.forward
+    monkeypatch.setattr(export_voxtral.ScaledReference, "forward", lambda self, *a: forward(self, *a) + 100.0)
+    bundle = export_cached(
+        tiny_checkpoint,
+        tmp_path_factory.mktemp("cuda") / "tiny-fp8-widened",
+        device="cuda",
+        dtype="bf16",
+        quant="fp8",
+        max_audio_chunks=1,
+        max_seq_len=1024,
+    )
+    why = read_manifest(bundle).model["fallbacks"]["text_decoder"]
+    assert why.startswith("self-check: ") and "; then " not in why, why
+    out = subprocess.run(
+        [sys.executable, "-m", "runner", "run", "--bundle", str(bundle), "--json", "--reference", "eager",
+         "--max-new-tokens", "16", "--min-new-tokens", "16", "--audio", str(AUDIO / "speech.wav")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads(out.stdout.splitlines()[0])
+    assert len(record["tokens"]) == 16 and record["reference"]["ok"], record["reference"]

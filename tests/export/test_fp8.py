@@ -179,11 +179,14 @@ def test_a_scaled_mm_prefill_is_checked_against_eager_rounding_its_activations_a
     head, x = LayerAndHead(m), (torch.randn(1, 9, m.config.text.dim) * 4).to(torch.bfloat16)
     plan = MethodPlan("text_decoder", head, (x,), None, SimpleNamespace(state=None), [(x,)])
     export_voxtral.scaled_mm_prefill(plan)
-    assert plan.key_extra == {"fp8": "scaled_mm"} and plan.fallback.key_extra == {"fallback": "dequantised"}
-    # a failed check takes the dequantised prefill too (pipeline's MethodCompiler.check), which no mismatch passes on
-    assert plan.fallback_on_mismatch and not plan.fallback.fallback_on_mismatch
+    widened, dequantised = plan.fallback, plan.fallback.fallback
+    assert plan.key_extra == {"fp8": "scaled_mm"} and widened.key_extra == {"fp8": "fp8_mm"}
+    assert dequantised.key_extra == {"fallback": "dequantised"}
+    # a failed check takes the next link too (pipeline's MethodCompiler.check); the dequantised one passes on no mismatch
+    assert [p.fallback_on_mismatch for p in (plan, widened, dequantised)] == [True, True, False]
+    assert widened.reference is dequantised.reference is None  # both checked against the module itself, dequantising
     got = self_check.eager_outputs([plan], m)["text_decoder"][0]
-    fallback = self_check.eager_outputs([plan.fallback], m)["text_decoder"][0]
+    fallback = self_check.eager_outputs([dequantised], m)["text_decoder"][0]
 
     def emulated(lin, x):
         sx = x.float().abs().amax(-1, keepdim=True) / 448
@@ -202,12 +205,13 @@ def test_a_scaled_mm_prefill_is_checked_against_eager_rounding_its_activations_a
         assert torch.equal(fallback, head(x)) and not any(lin.matmul for lin in fp8_layers(m))
 
 
-def test_the_cuda_scaled_mm_prefill_falls_back_to_the_dequantised_triton_prefill_then_the_whole_cache_decoder(
+def test_the_cuda_scaled_mm_prefill_falls_back_to_the_widened_then_the_dequantised_triton_prefill_then_the_whole_cache(
     monkeypatch,
 ):
     """prefill_plan as on an sm_89+ GPU with the Triton tiles (both patched in: the plan is built, not run): the chain
-    is the `_scaled_mm` prefill, the dequantised Triton prefill, then the whole-cache decoder, which attends over the
-    whole cache and so is the last resort. Only the first falls back on a failed self-check."""
+    is the `_scaled_mm` prefill, the prompt's GEMMs through kernels_fp8's op, the dequantised Triton prefill, then
+    the whole-cache decoder, which attends over the whole cache and so is the last resort. The first two fall back
+    on a failed self-check too; every link after the first is held to the dequantised reference."""
     m = Voxtral(preset("tiny")).init_weights(0).to(torch.bfloat16)
     apply_quant(m, VOXTRAL_EXPORT, "fp8")
     monkeypatch.setattr(export_voxtral, "_triton_tiles", lambda *a: True)
@@ -218,12 +222,15 @@ def test_the_cuda_scaled_mm_prefill_falls_back_to_the_dequantised_triton_prefill
     opts = ExportOptions(dtype="bf16", quant="fp8", max_audio_chunks=1, max_seq_len=S)
     reference = m.decoder()
     plan = export_voxtral.prefill_plan(m, opts, state, emb, Dim("seq", min=1, max=S), reference)
-    scaled, dequantised, whole = plan, plan.fallback, plan.fallback.fallback
+    scaled, widened, dequantised = plan, plan.fallback, plan.fallback.fallback
+    whole = dequantised.fallback
     assert scaled.key_extra == {"fp8": "scaled_mm"} and isinstance(scaled.reference, export_voxtral.ScaledReference)
+    assert widened.key_extra == {"fp8": "fp8_mm"} and widened.reference is reference
     assert dequantised.key_extra == {"fallback": "dequantised"} and dequantised.reference is reference
-    assert dequantised.module is scaled.module and scaled.module.prefill  # the Triton prefill, dequantising
+    assert widened.module is dequantised.module is scaled.module and scaled.module.prefill  # the Triton prefill
+    assert widened.export is not None and dequantised.export is None  # traced through the op; plainly
     assert whole.key_extra == {"fallback": "whole-cache"} and not whole.module.prefill and whole.fallback is None
-    assert [p.fallback_on_mismatch for p in (scaled, dequantised, whole)] == [True, False, False]
+    assert [p.fallback_on_mismatch for p in (scaled, widened, dequantised, whole)] == [True, True, False, False]
 
 
 def test_voxtral_fp8_quantises_the_int4_layers_and_records_them():

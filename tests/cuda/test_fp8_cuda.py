@@ -58,25 +58,28 @@ def test_fp8_mm_is_the_product_with_the_scaled_codes_at_the_3b_sizes(m, n, k):
     assert ((got.double() - plain).abs().max() / plain.abs().max()).item() < 1e-2
 
 
-def test_a_tiny_fp8_bundle_exports_its_prompt_through_scaled_mm_and_transcribes(tiny_checkpoint, tmp_path_factory):
-    bundle = export_cached(
-        tiny_checkpoint,
-        tmp_path_factory.mktemp("cuda") / "tiny-fp8",
-        device="cuda",
-        dtype="bf16",
-        quant="fp8",
-        max_audio_chunks=1,
-        max_seq_len=1024,
+def tiny_fp8(checkpoint: Path, out: Path) -> Path:
+    return export_cached(
+        checkpoint, out, device="cuda", dtype="bf16", quant="fp8", max_audio_chunks=1, max_seq_len=1024
     )
-    model = read_manifest(bundle).model
-    assert model["quant"]["prefill"] == "scaled_mm" and "fallbacks" not in model, model.get("fallbacks")
+
+
+def transcribed(bundle: Path) -> dict:
+    """`run --json --reference eager` on the speech fixture, 16 tokens: its record."""
     out = subprocess.run(
         [sys.executable, "-m", "runner", "run", "--bundle", str(bundle), "--json", "--reference", "eager",
          "--max-new-tokens", "16", "--min-new-tokens", "16", "--audio", str(AUDIO / "speech.wav")],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    record = json.loads(out.stdout.splitlines()[0])
+    return json.loads(out.stdout.splitlines()[0])
+
+
+def test_a_tiny_fp8_bundle_exports_its_prompt_through_scaled_mm_and_transcribes(tiny_checkpoint, tmp_path_factory):
+    bundle = tiny_fp8(tiny_checkpoint, tmp_path_factory.mktemp("cuda") / "tiny-fp8")
+    model = read_manifest(bundle).model
+    assert model["quant"]["prefill"] == "scaled_mm" and "fallbacks" not in model, model.get("fallbacks")
+    record = transcribed(bundle)
     assert len(record["tokens"]) == 16
     # the eager reference dequantises in its prompt too; the bundle's prompt rounds its activations to e4m3
     assert record["reference"]["ok"], record["reference"]
@@ -93,22 +96,8 @@ def test_a_failed_scaled_check_publishes_the_prefill_through_fp8_mm_and_it_trans
 
     forward = export_voxtral.ScaledReference.forward
     monkeypatch.setattr(export_voxtral.ScaledReference, "forward", lambda self, *a: forward(self, *a) + 100.0)
-    bundle = export_cached(
-        tiny_checkpoint,
-        tmp_path_factory.mktemp("cuda") / "tiny-fp8-widened",
-        device="cuda",
-        dtype="bf16",
-        quant="fp8",
-        max_audio_chunks=1,
-        max_seq_len=1024,
-    )
+    bundle = tiny_fp8(tiny_checkpoint, tmp_path_factory.mktemp("cuda") / "tiny-fp8-widened")
     why = read_manifest(bundle).model["fallbacks"]["text_decoder"]
     assert why.startswith("self-check: ") and "; then " not in why, why
-    out = subprocess.run(
-        [sys.executable, "-m", "runner", "run", "--bundle", str(bundle), "--json", "--reference", "eager",
-         "--max-new-tokens", "16", "--min-new-tokens", "16", "--audio", str(AUDIO / "speech.wav")],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    record = json.loads(out.stdout.splitlines()[0])
+    record = transcribed(bundle)
     assert len(record["tokens"]) == 16 and record["reference"]["ok"], record["reference"]

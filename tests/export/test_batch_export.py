@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import Doubled
 
 from runner.app.cli import build_parser, main
 from runner.bundle import BATCH_STATE_PREFIX, read_manifest
@@ -186,17 +187,6 @@ def test_a_stop_requested_before_an_export_publishes_nothing(tiny_checkpoint, tm
     with pytest.raises(Terminated):
         export_cached(tiny_checkpoint, tmp_path / "stopped", max_audio_chunks=1, max_seq_len=512, cancel=cancel)
     assert not (tmp_path / "stopped").exists() and not list(tmp_path.glob(".stopped*"))
-
-
-class Doubled(torch.nn.Module):
-    """An eager reference the compiled method cannot match: its module's logits, doubled."""
-
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args):
-        return self.inner(*args) * 2
 
 
 def test_a_plan_that_may_fall_back_on_a_mismatch_does_and_no_other(tiny_checkpoint, tmp_path, monkeypatch, capsys):

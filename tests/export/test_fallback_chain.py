@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import export_cached
+from conftest import Doubled, export_cached
 
 from runner.app.cli import main
 from runner.bundle import read_manifest
@@ -26,17 +26,6 @@ class Broken(torch.nn.Module):
 
     def forward(self, embeds, cache_position):
         raise RuntimeError(self.why)
-
-
-class Doubled(torch.nn.Module):
-    """An eager reference the compiled method cannot match: its module's logits, doubled."""
-
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args):
-        return self.inner(*args) * 2
 
 
 @pytest.fixture

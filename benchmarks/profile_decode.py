@@ -118,8 +118,9 @@ def kind_line(rows: dict[str, list[float]], per: int) -> str:
     """One line: each kind's kernels and ms per call."""
     kinds: dict[str, list[float]] = {kind: [0, 0.0] for kind in ("matmul", "attention", "the rest")}
     for name, (n, us) in rows.items():
-        kinds[kernel_kind(name)][0] += n
-        kinds[kernel_kind(name)][1] += us
+        kind = kinds[kernel_kind(name)]
+        kind[0] += n
+        kind[1] += us
     return "By kind, per call: " + "; ".join(
         f"{kind} {us / per / 1e3:.3f} ms ({n / per:.0f} kernels)" for kind, (n, us) in kinds.items()
     )

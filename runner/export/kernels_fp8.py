@@ -11,13 +11,9 @@ where the widening happens, and the activations from shared memory (the product 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 from torch.library import triton_op, wrap_triton
 
 from runner.models import fp8_linear
@@ -91,16 +87,3 @@ def widened(lin: fp8_linear.Fp8Linear, x: torch.Tensor) -> torch.Tensor:
     y = torch.ops.voxtral.fp8_mm(x.reshape(-1, x.shape[-1]).contiguous(), lin.qweight, lin.weight_scale)
     y = y if lin.bias is None else y + lin.bias
     return y.reshape(*x.shape[:-1], lin.out_features)
-
-
-@contextlib.contextmanager
-def widening(module: nn.Module) -> Iterator[None]:
-    """`module`'s fp8 layers through the op while the prefill is traced."""
-    with fp8_linear.matmul_through(module, widened):
-        yield
-
-
-def export_widening(module: nn.Module, example, dynamic_shapes) -> torch.export.ExportedProgram:
-    """torch.export of the prefill with its fp8 layers through the op (the eager model keeps dequantising)."""
-    with widening(module):
-        return torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)

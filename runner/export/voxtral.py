@@ -187,18 +187,18 @@ def scaled_mm_prefill(plan: MethodPlan) -> None:
     plan.fallback = replace(
         plan,
         key_extra={"fp8": "fp8_mm"},
-        export=lambda: kernels_fp8.export_widening(module, plan.example, plan.dynamic_shapes),
+        export=lambda: _export_through(module, plan, kernels_fp8.widened),
         fallback=dequantised,
         fallback_on_mismatch=True,
     )
     plan.key_extra = {"fp8": "scaled_mm"}
     plan.fallback_on_mismatch = True
-    plan.export = lambda: _export_scaled(module, plan)
+    plan.export = lambda: _export_through(module, plan, fp8_linear.scaled_mm)
     plan.reference = ScaledReference(plan.reference or module)
 
 
 class ScaledReference(nn.Module):
-    """`inner` run eagerly with its fp8 layers through `scaled_mm`, as the prefill compiled by `_export_scaled`."""
+    """`inner` run eagerly with its fp8 layers through `scaled_mm`, as the prefill `_export_through` it compiles."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -209,9 +209,9 @@ class ScaledReference(nn.Module):
             return self.inner(*args)
 
 
-def _export_scaled(module: nn.Module, plan: MethodPlan) -> torch.export.ExportedProgram:
-    """torch.export of the prefill with its fp8 layers through `_scaled_mm` (the eager model keeps dequantising)."""
-    with fp8_linear.scaled_prefill(module):
+def _export_through(module: nn.Module, plan: MethodPlan, matmul) -> torch.export.ExportedProgram:
+    """torch.export of the prefill with its fp8 layers through `matmul` (the eager model keeps dequantising)."""
+    with fp8_linear.matmul_through(module, matmul):
         return torch.export.export(module, plan.example, dynamic_shapes=plan.dynamic_shapes, strict=False)
 
 

@@ -148,7 +148,7 @@ class LayerAndHead(nn.Module):
 
 def test_the_cuda_prefill_traces_its_fp8_layers_to_scaled_mm():
     """The CUDA branch no CPU run takes: the prefill's fp8 layers traced by torch.export over fake CUDA tensors, with a
-    dynamic prompt length, as the CUDA export traces them (export/voxtral.py's `_export_scaled`): one `_scaled_mm`
+    dynamic prompt length, as the CUDA export traces them (export/voxtral.py's `_export_through`): one `_scaled_mm`
     per layer on the stored codes (its stride and size checks pass), no dequantised matmul, and the eager layers
     dequantising again afterwards."""
     m = Voxtral(preset("tiny")).init_weights(0).to(torch.bfloat16)
@@ -161,7 +161,8 @@ def test_the_cuda_prefill_traces_its_fp8_layers_to_scaled_mm():
                 sub.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device="cuda"))
         x = torch.empty(1, 5, m.config.text.dim, dtype=torch.bfloat16, device="cuda")
         seq = Dim("seq", min=1, max=64)
-        ep = export_voxtral._export_scaled(LayerAndHead(m), SimpleNamespace(example=(x,), dynamic_shapes=({1: seq},)))
+        plan = SimpleNamespace(example=(x,), dynamic_shapes=({1: seq},))
+        ep = export_voxtral._export_through(LayerAndHead(m), plan, scaled_mm)
     calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert calls.count("aten._scaled_mm.default") == 5, calls
     assert not {f"aten.{op}.default" for op in ("mm", "addmm", "linear", "matmul", "bmm")} & set(calls), calls

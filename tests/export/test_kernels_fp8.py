@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from runner.export import kernels_fp8 as KF  # noqa: E402
 from runner.export.quant import apply_quant  # noqa: E402
 from runner.export.voxtral import EXPORT as VOXTRAL_EXPORT  # noqa: E402
-from runner.models.fp8_linear import fp8_layers, quantize  # noqa: E402
+from runner.models.fp8_linear import fp8_layers, matmul_through, quantize  # noqa: E402
 from runner.models.voxtral import Voxtral  # noqa: E402
 from runner.models.voxtral_config import preset  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_the_tiny_prefill_through_the_op_is_the_dequantised_prefill():
     pos = torch.arange(9, device=DEV)
     want = prefill(emb, pos)
     m.reset_caches()
-    with KF.widening(m):
+    with matmul_through(m, KF.widened):
         assert all(lin.matmul is KF.widened for lin in fp8_layers(m))
         got = prefill(emb, pos)
     assert not any(lin.matmul for lin in fp8_layers(m))
@@ -64,9 +64,10 @@ def test_the_tiny_prefill_through_the_op_is_the_dequantised_prefill():
 
 
 TRACE = r"""
+from types import SimpleNamespace
 from runner.export import kernels_fp8 as KF, kernels_prefill as KP
 from runner.export.quant import apply_quant
-from runner.export.voxtral import EXPORT
+from runner.export.voxtral import EXPORT, _export_through
 from runner.models.fp8_linear import fp8_layers
 from runner.models.voxtral import Voxtral
 from runner.models.voxtral_config import preset
@@ -77,14 +78,16 @@ apply_quant(m, EXPORT, "fp8")
 m.setup_caches(32)
 seq = Dim("seq", min=1, max=32)
 emb = torch.randn(1, 6, m.config.text.dim).to(torch.bfloat16)
-ep = KF.export_widening(m.prefiller(KP.KERNELS), (emb, torch.arange(6)), ({1: seq}, {0: seq}))
+plan = SimpleNamespace(example=(emb, torch.arange(6)), dynamic_shapes=({1: seq}, {0: seq}))
+ep = _export_through(m.prefiller(KP.KERNELS), plan, KF.widened)
 calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
 print(json.dumps({"calls": calls, "layers": len(fp8_layers(m)), "hooks": sum(bool(x.matmul) for x in fp8_layers(m))}))
 """
 
 
 def test_the_cuda_prefill_traces_each_fp8_layer_to_one_op():
-    """What the export traces for the widened prefill (tracing launches nothing, so a CPU does): one fp8_mm per fp8
+    """What the export traces for the widened prefill (export/voxtral.py's `_export_through` with the op's hook;
+    tracing launches nothing, so a CPU does): one fp8_mm per fp8
     layer (the decoder's and the head's), no matmul of a dequantised weight beside them, the hooks unset after."""
     got = on_h200_target(TRACE)
     assert got["calls"].count("voxtral.fp8_mm.default") == got["layers"] > 0
